@@ -1,0 +1,3 @@
+from cpuserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The `cpuserve` command line: one sub-command per job, user errors as one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from cpuserve import __version__
+from cpuserve.errors import CpuserveError
+
+log = logging.getLogger("cpuserve")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where converted models are kept (default: $CPUSERVE_CACHE_DIR or ~/.cache/cpuserve)",
+    )
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32 (default: auto)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpuserve.detokenizer import IncrementalDetokenizer
+    from cpuserve.generate import SimpleSampling, generate_ids
+    from cpuserve.model.loader import load_model
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.tokenizer import GenerationDefaults, Tokenizer
+
+    if args.max_tokens < 1:
+        raise CpuserveError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise CpuserveError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise CpuserveError(f"--top-p must be in (0, 1], got {args.top_p}")
+    model_dir = resolve_model(args.model, args.cache_dir)
+    tokenizer = Tokenizer(model_dir)
+    defaults = GenerationDefaults.load(model_dir)
+    model = load_model(model_dir, args.dtype)
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = tokenizer.encode_chat(messages)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise CpuserveError("the prompt encodes to no tokens")
+    limit = model.spec.max_position_embeddings
+    if len(prompt_ids) + args.max_tokens > limit:
+        raise CpuserveError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
+            f"context of {limit} tokens"
+        )
+    stop = set(defaults.eos_token_ids) | set(model.spec.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        stop.add(tokenizer.eos_token_id)
+    params = SimpleSampling(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=tuple(sorted(stop)),
+    )
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    log.info("model %s, %d prompt tokens, %d threads", model_dir, len(prompt_ids), torch.get_num_threads())
+    start = time.perf_counter()
+    first = None
+    count = 0
+    for token in generate_ids(model, prompt_ids, params):
+        if first is None:
+            first = time.perf_counter()
+        count += 1
+        if token in params.stop_token_ids:
+            break
+        sys.stdout.write(detok.add(token))
+        sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    decode_rate = (count - 1) / (end - first) if count > 1 and first else 0.0
+    log.info(
+        "%d tokens; prefill %.0f tok/s (%.2f s to first token), decode %.1f tok/s",
+        count,
+        len(prompt_ids) / (first - start) if first else 0.0,
+        (first or end) - start,
+        decode_rate,
+    )
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from cpuserve.model.gguf_convert import convert_gguf
+
+    out = convert_gguf(Path(args.gguf), Path(args.out_dir), force=args.force)
+    log.info("wrote %s", out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpuserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cpuserve {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", default=None, help="a system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert a llama GGUF file into an HF directory (bf16 safetensors)")
+    conv.add_argument("gguf", help="the .gguf file")
+    conv.add_argument("out_dir", help="the HF directory to create")
+    conv.add_argument("--force", action="store_true", help="replace out_dir if it exists")
+    conv.set_defaults(func=_cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="[cpuserve] %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except CpuserveError as exc:
+        if args.debug:
+            raise
+        print(f"cpuserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cpuserve: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,58 @@
+"""Single-sequence generation on the reference decoder: the `cpuserve generate` loop.
+
+The batched engine replaces this for serving; this stays as the simplest correct path and the
+oracle its tests compare against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from cpuserve.model.decoder import CausalLM
+
+
+@dataclass(frozen=True)
+class SimpleSampling:
+    """Greedy when temperature is 0; otherwise temperature (and optional top-p) sampling."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def sample_next(logits: torch.Tensor, params: SimpleSampling, generator: torch.Generator | None) -> int:
+    """One token id from fp32 logits [V]."""
+    if params.temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        cut = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs[cut] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate_ids(model: CausalLM, prompt_ids: list[int], params: SimpleSampling) -> Iterator[int]:
+    """Yield generated token ids; stops after a stop token (which is yielded) or max_tokens."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    generator = None
+    if params.temperature > 0.0:
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
+    cache = model.new_cache(1, len(prompt_ids) + params.max_tokens)
+    inputs = torch.tensor([prompt_ids])
+    for _ in range(params.max_tokens):
+        hidden = model.hidden_states(inputs, cache)
+        token = sample_next(model.logits(hidden[0, -1]), params, generator)
+        yield token
+        if token in params.stop_token_ids:
+            return
+        inputs = torch.tensor([[token]])

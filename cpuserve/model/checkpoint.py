@@ -1,0 +1,97 @@
+"""Reading tensors from an HF checkpoint directory: safetensors only, single or sharded, mmapped.
+
+Pickled formats (`*.bin`, `*.pt`) are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from cpuserve.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsCheckpoint:
+    """Lazy access to every tensor of a checkpoint, by name, without reading the others."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._files = self._shard_files(model_dir)
+        self._stack = ExitStack()
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for path in self._files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                self.close()
+                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+            self._handles[path] = handle
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                self._where[name] = path
+
+    @staticmethod
+    def _shard_files(model_dir: Path) -> list[Path]:
+        if not model_dir.is_dir():
+            raise CheckpointError(f"{model_dir}: not a directory (expected an HF model directory)")
+        index = model_dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: malformed index, expected a 'weight_map' ({exc})") from None
+            files = sorted({model_dir / name for name in weight_map.values()})
+            missing = [f for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{missing[0]}: missing (listed in {INDEX_FILE})")
+            return files
+        files = sorted(model_dir.glob("*.safetensors"))
+        if files:
+            return files
+        pickled = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        if pickled:
+            raise CheckpointError(
+                f"{model_dir / pickled[0]}: pickled weights are never loaded; convert the checkpoint to safetensors"
+            )
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._where.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.model_dir}: tensor '{name}' is missing from the checkpoint")
+        try:
+            return self._handles[path].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({exc})") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._where:
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,172 @@
+"""The plain-torch decoder: the reference every faster path is checked against.
+
+One module tree for Llama, Qwen2, Qwen3 and MiniCPM; the ModelSpec switches decide biases, q/k
+norms and MiniCPM scalings. Parameter names equal the HF checkpoint names, so loading is a lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpuserve.model.config import ModelSpec
+from cpuserve.model.rope import apply_rope, cos_sin, inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the compute dtype, as the reference implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache:
+    """Contiguous per-layer K/V for a batch of equally long sequences (the reference path)."""
+
+    def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype: torch.dtype) -> None:
+        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.q_proj = nn.Linear(spec.hidden_size, spec.q_size, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        cache: KVCache | None,
+        start: int,
+    ) -> torch.Tensor:
+        spec = self.spec
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, spec.num_heads, spec.head_dim)
+        k = self.k_proj(x).view(b, t, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x).view(b, t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            cache.k[layer][:, :, start : start + t] = k
+            cache.v[layer][:, :, start : start + t] = v
+            k = cache.k[layer][:, :, : start + t]
+            v = cache.v[layer][:, :, : start + t]
+        if t == 1:
+            mask, causal = None, False
+        elif start == 0:
+            mask, causal = None, True
+        else:
+            # Query i sits at position start + i and sees keys 0 .. start + i.
+            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=spec.num_heads != spec.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, spec.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.residual_scale = spec.residual_scale
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, h, cos, sin, layer, cache, start):  # type: ignore[no-untyped-def]
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, start)
+        h = h + attn * self.residual_scale if self.residual_scale != 1.0 else h + attn
+        mlp = self.mlp(self.post_attention_layernorm(h))
+        return h + mlp * self.residual_scale if self.residual_scale != 1.0 else h + mlp
+
+
+class DecoderBody(nn.Module):
+    """`model.*` in HF naming: embeddings, layers, final norm."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM with the HF parameter names (`model.*`, `lm_head.weight`)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        with torch.device("cpu"):  # real even when the module is built on the meta device
+            self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.spec, batch, max_len, self.dtype)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H] for input_ids [B, T] appended after the cached tokens."""
+        t = input_ids.shape[1]
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + t > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} tokens; {start + t} requested")
+        positions = torch.arange(start, start + t)
+        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        h = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_scale != 1.0:
+            h = h * self.spec.embedding_scale
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, i, cache, start)
+        if cache is not None:
+            cache.length = start + t
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for hidden states [..., H]."""
+        if self.spec.logit_scale != 1.0:
+            hidden = hidden * self.spec.logit_scale
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, cache))

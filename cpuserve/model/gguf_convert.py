@@ -1,0 +1,260 @@
+"""`cpuserve convert`: a llama-architecture GGUF becomes an HF directory (bf16 safetensors).
+
+The output is written beside the target under a `.partial` name and renamed into place only when
+complete, so an interrupted conversion never leaves a directory that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from cpuserve.errors import CheckpointError
+from cpuserve.model.gguf_tokenizer import build_tokenizer
+
+SUPPORTED_TYPES = {
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+    gguf.GGMLQuantizationType.Q8_0,
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q5_0,
+    gguf.GGMLQuantizationType.Q5_1,
+    gguf.GGMLQuantizationType.Q4_K,
+    gguf.GGMLQuantizationType.Q5_K,
+    gguf.GGMLQuantizationType.Q6_K,
+}
+SHARD_BYTES = 2 * 1024**3
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name for a llama GGUF tensor name, or None when it has none."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs back to HF's rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found (expected a .gguf file)")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises a variety of types on a bad or truncated file
+        raise CheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt ({exc})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor '{t.name}' needs bytes up to {t.data_offset + t.n_bytes}, "
+                f"the file has {size}"
+            )
+    return reader
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            continue
+    return meta
+
+
+def _f32(value: Any) -> float:
+    """GGUF stores floats as float32: write the shortest decimal that reads back the same."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
+def _require(meta: dict[str, Any], key: str, source: Path) -> Any:
+    if key not in meta:
+        raise CheckpointError(f"{source}: metadata '{key}' is missing")
+    return meta[key]
+
+
+def hf_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{source}: general.architecture {arch!r} is not supported (expected 'llama')")
+    heads = int(_require(meta, "llama.attention.head_count", source))
+    hidden = int(_require(meta, "llama.embedding_length", source))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0))}
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=_f32(_require(meta, "llama.rope.scaling.factor", source)))
+    elif scaling not in ("none", None):
+        raise CheckpointError(f"{source}: llama.rope.scaling.type {scaling!r} is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(meta, "llama.feed_forward_length", source)),
+        "num_hidden_layers": int(_require(meta, "llama.block_count", source)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
+        "rms_norm_eps": _f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "hidden_act": "silu",
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "tie_word_embeddings": tied,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) -> dict[str, str]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        idx = meta.get(key)
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    template = meta.get("tokenizer.chat_template")
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "unk_token": token("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if template:
+        tok_config["chat_template"] = template
+    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    generation = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": sorted(set(eos_ids))}
+    if len(generation["eos_token_id"]) == 1:
+        generation["eos_token_id"] = generation["eos_token_id"][0]
+    files = {
+        "tokenizer.json": build_tokenizer(meta, str(source)).to_str(pretty=True),
+        "tokenizer_config.json": json.dumps(tok_config, indent=2, ensure_ascii=False),
+        "generation_config.json": json.dumps(generation, indent=2),
+    }
+    if template:
+        files["chat_template.jinja"] = template
+    return files
+
+
+def _dequantize(t: Any, source: Path) -> np.ndarray:
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise CheckpointError(
+            f"{source}: tensor '{t.name}' has type {t.tensor_type.name}, expected one of "
+            + ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+        )
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists the fastest dimension first
+    if t.tensor_type == gguf.GGMLQuantizationType.F32:
+        data = np.asarray(t.data, dtype=np.float32)
+    elif t.tensor_type == gguf.GGMLQuantizationType.F16:
+        data = np.asarray(t.data, dtype=np.float16).astype(np.float32)
+    else:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+    return data.reshape(shape)
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = True) -> Path:
+    """Convert; on success `out` is a complete HF directory, on any failure it does not exist."""
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    reader = _open(src)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = hf_config(meta, tied="output.weight" not in names, source=src)
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(f"{src}: tensor 'rope_freqs.weight' (llama3 rope scaling) is not supported yet")
+    unknown = sorted(n for n in names if hf_name(n) is None)
+    if unknown:
+        raise CheckpointError(f"{src}: tensor '{unknown[0]}' has no place in a llama model")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        for fname, text in _tokenizer_files(meta, config, src).items():
+            (partial / fname).write_text(text)
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        tensors: dict[str, torch.Tensor] = {}
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress):
+            data = _dequantize(t, src)
+            if t.name.endswith("attn_q.weight"):
+                data = unpermute_rope(data, heads)
+            elif t.name.endswith("attn_k.weight"):
+                data = unpermute_rope(data, kv_heads)
+            tensors[hf_name(t.name)] = torch.from_numpy(np.array(data, dtype=np.float32)).to(torch.bfloat16)
+        _write_shards(tensors, partial)
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out

@@ -1,0 +1,90 @@
+"""Build the reference decoder from an HF directory, checking every tensor against the spec."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cpuserve.errors import CheckpointError, ConfigError
+from cpuserve.model.checkpoint import SafetensorsCheckpoint
+from cpuserve.model.config import ModelSpec, load_spec
+from cpuserve.model.decoder import CausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tensors some exporters write that carry nothing the model needs.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
+    """`auto` means the checkpoint's own dtype, as vLLM's --dtype auto does."""
+    if name == "auto":
+        name = spec.torch_dtype if spec.torch_dtype in DTYPES else "bfloat16"
+    aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+    name = aliases.get(name, name)
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r} is not supported (expected auto, bfloat16, float16 or float32)")
+    return DTYPES[name]
+
+
+def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> CausalLM:
+    """Load config and weights; raise CheckpointError naming the tensor on any mismatch."""
+    spec = load_spec(model_dir)
+    torch_dtype = resolve_dtype(dtype, spec)
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if spec.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+
+    state: dict[str, torch.Tensor] = {}
+    with SafetensorsCheckpoint(model_dir) as ckpt:
+        missing = [n for n in expected if n not in ckpt]
+        if missing:
+            raise CheckpointError(
+                f"{model_dir}: tensor '{missing[0]}' is missing"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + f" for {spec.architecture}"
+            )
+        extra = [n for n in ckpt.names() if n not in expected and not _IGNORED.search(n)]
+        if spec.tie_word_embeddings and "lm_head.weight" in extra:
+            extra.remove("lm_head.weight")  # tied: the embedding is the head
+        if extra:
+            raise CheckpointError(
+                f"{ckpt.file_of(extra[0])}: unexpected tensor '{extra[0]}'"
+                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+                + f" for {spec.architecture}: does config.json describe this checkpoint?"
+            )
+        for name in tqdm(expected, desc="loading weights", unit="tensor", disable=not progress):
+            shape = ckpt.shape(name)
+            if shape != expected[name]:
+                raise CheckpointError(
+                    f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(shape)}, "
+                    f"expected {list(expected[name])} from config.json"
+                )
+            tensor = ckpt.get(name)
+            if not tensor.is_floating_point():
+                raise CheckpointError(
+                    f"{ckpt.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
+                    "expected a floating-point dtype (float32, bfloat16 or float16)"
+                )
+            state[name] = tensor.to(torch_dtype).contiguous()
+    if spec.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.eval()
+    log.info(
+        "loaded %s from %s: %d layers, hidden %d, %s",
+        spec.architecture,
+        model_dir,
+        spec.num_layers,
+        spec.hidden_size,
+        str(torch_dtype).removeprefix("torch."),
+    )
+    return model

