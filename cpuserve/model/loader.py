@@ -77,6 +77,8 @@ def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> 
     if spec.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    if spec.tie_word_embeddings:  # one tensor, not two copies
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     model.eval()
     log.info(

@@ -1,0 +1,42 @@
+"""Shared fixtures: the bundled SmolLM2 converted once per test session into a private cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpuserve.model.resolve import resolve_model
+
+torch.manual_seed(0)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cpuserve-cache")
+
+
+@pytest.fixture(scope="session")
+def smol_dir(cache_dir: Path) -> Path:
+    """The bundled SmolLM2-135M-Instruct as an HF directory (converted by our converter)."""
+    return resolve_model(None, str(cache_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_dir: Path):
+    """transformers' own Llama implementation on the same directory: the independent reference."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smol_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def our_smol(smol_dir: Path):
+    from cpuserve.model.loader import load_model
+
+    return load_model(smol_dir, "float32")

@@ -1,0 +1,46 @@
+"""`cpuserve generate` end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.gguf_fixtures import write_tiny_llama
+
+
+def _run(args, env_extra=None, timeout=300):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "cpuserve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_bundled_model_answers_the_readme_question(cache_dir, smol_dir):
+    """With no model argument the bundled SmolLM2 is used, from the cache it was converted into."""
+    proc = _run(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24"],
+                {"CPUSERVE_CACHE_DIR": str(cache_dir)})
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "converting" not in proc.stderr  # reused, not converted again
+    assert "tok/s" in proc.stderr
+
+
+def test_gguf_argument_is_converted_once_into_the_cache(tmp_path):
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_llama(gguf_path)
+    args = ["generate", str(gguf_path), "--cache-dir", str(tmp_path / "cache"), "--prompt", "the", "--max-tokens", "4"]
+    first = _run(args)
+    assert first.returncode == 0, first.stderr
+    assert "converting" in first.stderr
+    second = _run(args)
+    assert second.returncode == 0 and "converting" not in second.stderr
+    assert first.stdout == second.stdout  # greedy: same text both times
+
+
+def test_invalid_flags_are_user_errors(smol_dir):
+    proc = _run(["generate", str(smol_dir), "--prompt", "hi", "--max-tokens", "0"])
+    assert proc.returncode == 1 and proc.stderr.strip() == "cpuserve: error: --max-tokens must be at least 1, got 0"
+    proc = _run(["generate", str(smol_dir), "--prompt", "hi", "--max-tokens", "9000"])
+    assert proc.returncode == 1 and "exceeds the model's context of 8192 tokens" in proc.stderr
+    proc = _run(["generate", str(smol_dir), "--prompt", "hi", "--dtype", "int3"])
+    assert proc.returncode == 1 and "--dtype 'int3' is not supported" in proc.stderr
