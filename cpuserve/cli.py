@@ -30,21 +30,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from cpuserve.detokenizer import IncrementalDetokenizer
-    from cpuserve.generate import SimpleSampling, generate_ids
-    from cpuserve.model.loader import load_model
-    from cpuserve.model.resolve import resolve_model
-    from cpuserve.tokenizer import GenerationDefaults, Tokenizer
-
     if args.max_tokens < 1:
         raise CpuserveError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.temperature < 0:
         raise CpuserveError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise CpuserveError(f"--top-p must be in (0, 1], got {args.top_p}")
+    machine, overrides, _ = _platform_plan(args)  # before torch loads: threads pinned one per core
+    from cpuserve.detokenizer import IncrementalDetokenizer
+    from cpuserve.doctor import model_facts, plan_model_memory
+    from cpuserve.generate import SimpleSampling, generate_ids
+    from cpuserve.model.loader import load_model
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.tokenizer import GenerationDefaults, Tokenizer
+
     model_dir = resolve_model(args.model, args.cache_dir)
+    spec, _, facts = model_facts(model_dir, args.dtype)  # refuse before reading weights if it cannot fit
+    plan_model_memory(machine, overrides, spec, facts, spec.max_position_embeddings, 1, 512)
     tokenizer = Tokenizer(model_dir)
     defaults = GenerationDefaults.load(model_dir)
     model = load_model(model_dir, args.dtype)
@@ -73,7 +75,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(sorted(stop)),
     )
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    log.info("model %s, %d prompt tokens, %d threads", model_dir, len(prompt_ids), torch.get_num_threads())
+    log.info("model %s, %d prompt tokens", model_dir, len(prompt_ids))
     start = time.perf_counter()
     first = None
     count = 0
@@ -96,6 +98,62 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         decode_rate,
     )
     return 0
+
+
+def _platform_plan(args: argparse.Namespace):
+    """Detect the machine, read overrides, size and pin the thread pool; log what was chosen."""
+    import os
+
+    from cpuserve.platform.machine import apply_thread_plan, detect_machine
+    from cpuserve.platform.overrides import log_not_needed, read_overrides
+    from cpuserve.platform.plan import plan_kernel, plan_threads
+    from cpuserve.platform.sysfs import format_cpulist
+
+    machine = detect_machine()
+    overrides = read_overrides(os.environ)
+    log_not_needed(overrides)
+    threads = plan_threads(machine.cpu, machine.resources, overrides)
+    kernel = plan_kernel(machine.cpu, overrides)
+    apply_thread_plan(threads)
+    where = f"pinned to {format_cpulist(threads.cpus)}" if threads.pinned else "not pinned"
+    log.info(
+        "%s, %s; %d threads %s (%s); kernel variant %s",
+        machine.cpu.model_name,
+        machine.cpu.arch,
+        threads.count,
+        where,
+        threads.reason,
+        kernel.variant,
+    )
+    return machine, overrides, threads
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import os
+
+    from cpuserve.doctor import build_report, render_json, render_text
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.platform.machine import detect_machine
+
+    model_dir = None
+    problems = []
+    if not args.no_model:
+        try:
+            model_dir = resolve_model(args.model, args.cache_dir)
+        except CpuserveError as exc:
+            problems.append(str(exc))
+    report = build_report(
+        detect_machine(),
+        os.environ,
+        model_dir,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    report["problems"][:0] = problems
+    print(render_json(report) if args.json else render_text(report))
+    return 1 if report["problems"] else 0
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -122,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
+
+    doc = sub.add_parser("doctor", help="explain what was detected and chosen, and whether a model fits")
+    _add_model_args(doc)
+    doc.add_argument("--no-model", action="store_true", help="report on the machine only")
+    doc.add_argument("--json", action="store_true", help="machine-readable output")
+    doc.add_argument("--max-model-len", type=int, default=None)
+    doc.add_argument("--max-num-seqs", type=int, default=64)
+    doc.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    doc.set_defaults(func=_cmd_doctor)
 
     conv = sub.add_parser("convert", help="convert a llama GGUF file into an HF directory (bf16 safetensors)")
     conv.add_argument("gguf", help="the .gguf file")

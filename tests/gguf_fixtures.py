@@ -14,8 +14,13 @@ HEAD_DIM = HIDDEN // HEADS
 
 # Which GGUF type each tensor is stored as: one of each required type appears.
 LAYER_TYPES = {
-    "attn_q.weight": Q.F32, "attn_k.weight": Q.F16, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q4_0,
-    "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.BF16, "ffn_down.weight": Q.Q4_0,
+    "attn_q.weight": Q.F32,
+    "attn_k.weight": Q.F16,
+    "attn_v.weight": Q.Q8_0,
+    "attn_output.weight": Q.Q4_0,
+    "ffn_gate.weight": Q.Q4_1,
+    "ffn_up.weight": Q.BF16,
+    "ffn_down.weight": Q.Q4_0,
 }
 
 
@@ -90,16 +95,29 @@ def write_tiny_llama(path: Path, tied: bool = False, seed: int = 0) -> dict[str,
         out = rng.standard_normal((vocab, HIDDEN)).astype(np.float32) * 0.1
         _store(writer, "output.weight", out, Q.Q4_1)
         hf["lm_head.weight"] = out
-    shapes = {"attn_q.weight": (HIDDEN, HIDDEN), "attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-              "attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output.weight": (HIDDEN, HIDDEN),
-              "ffn_gate.weight": (FFN, HIDDEN), "ffn_up.weight": (FFN, HIDDEN), "ffn_down.weight": (HIDDEN, FFN)}
-    hf_names = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-                "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-                "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-                "ffn_down.weight": "mlp.down_proj.weight"}
+    shapes = {
+        "attn_q.weight": (HIDDEN, HIDDEN),
+        "attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_output.weight": (HIDDEN, HIDDEN),
+        "ffn_gate.weight": (FFN, HIDDEN),
+        "ffn_up.weight": (FFN, HIDDEN),
+        "ffn_down.weight": (HIDDEN, FFN),
+    }
+    hf_names = {
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
     for n in range(LAYERS):
-        for norm_name, hf_norm in (("attn_norm.weight", "input_layernorm.weight"),
-                                   ("ffn_norm.weight", "post_attention_layernorm.weight")):
+        for norm_name, hf_norm in (
+            ("attn_norm.weight", "input_layernorm.weight"),
+            ("ffn_norm.weight", "post_attention_layernorm.weight"),
+        ):
             w = 1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32)
             _store(writer, f"blk.{n}.{norm_name}", w, Q.F32)
             hf[f"model.layers.{n}.{hf_norm}"] = w
@@ -130,17 +148,17 @@ def slow_dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.nda
     out = []
     pos = 0
     while pos < data.size:
-        d = float(data[pos:pos + 2].view(np.float16)[0])
+        d = float(data[pos : pos + 2].view(np.float16)[0])
         if qtype == Q.Q8_0:
-            out.extend(d * float(q) for q in data[pos + 2:pos + 34].view(np.int8))
+            out.extend(d * float(q) for q in data[pos + 2 : pos + 34].view(np.int8))
             pos += 34
             continue
         if qtype == Q.Q4_1:
-            m = float(data[pos + 2:pos + 4].view(np.float16)[0])
-            qs, pos = nibbles[pos + 4:pos + 20], pos + 20
+            m = float(data[pos + 2 : pos + 4].view(np.float16)[0])
+            qs, pos = nibbles[pos + 4 : pos + 20], pos + 20
             lo, hi = [d * (b & 15) + m for b in qs], [d * (b >> 4) + m for b in qs]
         else:  # Q4_0
-            qs, pos = nibbles[pos + 2:pos + 18], pos + 18
+            qs, pos = nibbles[pos + 2 : pos + 18], pos + 18
             lo, hi = [d * ((b & 15) - 8) for b in qs], [d * ((b >> 4) - 8) for b in qs]
         out.extend(lo + hi)
     return np.array(out, dtype=np.float32).reshape(shape)

@@ -18,8 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 LOGIT_ABS_BUDGET = 1e-4  # fp32, tiny models: differences are rounding only
 TINY = dict(
-    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=96, vocab_size=128, max_position_embeddings=256,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=128,
+    max_position_embeddings=256,
 )
 
 
@@ -36,13 +41,26 @@ def _randomize(model: torch.nn.Module) -> None:
 CASES = {
     "llama-untied": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
-    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM",
-                          {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
-    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}, "rope_theta": 500000.0}),
-    "llama-bias-headdim": ("LlamaConfig", "LlamaForCausalLM",
-                           {"attention_bias": True, "mlp_bias": True, "head_dim": 24}),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "llama-bias-headdim": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"attention_bias": True, "mlp_bias": True, "head_dim": 24},
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
 }
@@ -89,10 +107,22 @@ def test_sharded_checkpoint_loads(tmp_path):
 # ---- MiniCPM -----------------------------------------------------------------------------------
 
 MINICPM = dict(
-    architectures=["MiniCPMForCausalLM"], model_type="minicpm", hidden_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, intermediate_size=80, vocab_size=96,
-    max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, scale_emb=12.0,
-    scale_depth=1.4, dim_model_base=16, tie_word_embeddings=True, hidden_act="silu",
+    architectures=["MiniCPMForCausalLM"],
+    model_type="minicpm",
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=80,
+    vocab_size=96,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    scale_emb=12.0,
+    scale_depth=1.4,
+    dim_model_base=16,
+    tie_word_embeddings=True,
+    hidden_act="silu",
 )
 
 
@@ -100,13 +130,21 @@ def _minicpm_weights(cfg: dict) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * hd
-    w = {"model.embed_tokens.weight": 0.1 * torch.randn(cfg["vocab_size"], h, generator=gen),
-         "model.norm.weight": 1 + 0.2 * torch.randn(h, generator=gen)}
+    w = {
+        "model.embed_tokens.weight": 0.1 * torch.randn(cfg["vocab_size"], h, generator=gen),
+        "model.norm.weight": 1 + 0.2 * torch.randn(h, generator=gen),
+    }
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
-                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
-                  "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+        shapes = {
+            "self_attn.q_proj.weight": (h, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, h),
+            "mlp.gate_proj.weight": (i, h),
+            "mlp.up_proj.weight": (i, h),
+            "mlp.down_proj.weight": (h, i),
+        }
         for name, shape in shapes.items():
             w[p + name] = 0.15 * torch.randn(shape, generator=gen)
         w[p + "input_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=gen)
@@ -146,12 +184,12 @@ def _minicpm_reference(cfg: dict, w: dict[str, torch.Tensor], ids: list[int]) ->
             k = w[p + "self_attn.k_proj.weight"] @ a
             v = w[p + "self_attn.v_proj.weight"] @ a
             for g in range(kv_heads):
-                keys[n][g].append(rotate(k[g * d:(g + 1) * d], pos))
-                values[n][g].append(v[g * d:(g + 1) * d])
+                keys[n][g].append(rotate(k[g * d : (g + 1) * d], pos))
+                values[n][g].append(v[g * d : (g + 1) * d])
             out = []
             for head in range(heads):
                 g = head // (heads // kv_heads)
-                qh = rotate(q[head * d:(head + 1) * d], pos)
+                qh = rotate(q[head * d : (head + 1) * d], pos)
                 scores = torch.stack([qh @ key / math.sqrt(d) for key in keys[n][g]])
                 probs = torch.exp(scores - scores.max())
                 probs = probs / probs.sum()

@@ -11,14 +11,17 @@ from tests.gguf_fixtures import write_tiny_llama
 
 def _run(args, env_extra=None, timeout=300):
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "cpuserve", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "cpuserve", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_bundled_model_answers_the_readme_question(cache_dir, smol_dir):
     """With no model argument the bundled SmolLM2 is used, from the cache it was converted into."""
-    proc = _run(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24"],
-                {"CPUSERVE_CACHE_DIR": str(cache_dir)})
+    proc = _run(
+        ["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24"],
+        {"CPUSERVE_CACHE_DIR": str(cache_dir)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "converting" not in proc.stderr  # reused, not converted again

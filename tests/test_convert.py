@@ -157,6 +157,7 @@ def test_cli_convert_error_is_one_line_without_traceback(tiny_gguf, tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cpuserve: error: ") and "cut.gguf" in lines[0]
-    debug = subprocess.run([sys.executable, "-m", "cpuserve", "--debug", *cmd[3:]], capture_output=True,
-                           text=True, timeout=120)
+    debug = subprocess.run(
+        [sys.executable, "-m", "cpuserve", "--debug", *cmd[3:]], capture_output=True, text=True, timeout=120
+    )
     assert debug.returncode != 0 and "Traceback" in debug.stderr

@@ -74,6 +74,10 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
+    def stored_dtype(self, name: str) -> str:
+        """The dtype as the file stores it (e.g. 'BF16', 'I8'), without reading the data."""
+        return self._handles[self._where[name]].get_slice(name).get_dtype()
+
     def get(self, name: str) -> torch.Tensor:
         path = self._where.get(name)
         if path is None:
