@@ -2,9 +2,15 @@
 
 One module tree for Llama, Qwen2, Qwen3 and MiniCPM; the ModelSpec switches decide biases, q/k
 norms and MiniCPM scalings. Parameter names equal the HF checkpoint names, so loading is a lookup.
+
+The attention core (where K/V are kept and how queries see them) is a pluggable
+`AttentionBackend`: the contiguous cache here for the reference path, the paged cache in the
+engine. Everything else (projections, norms, rope, MLP) is shared.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +18,12 @@ from torch import nn
 
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.rope import apply_rope, cos_sin, inverse_frequencies
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [..., T, Hq, D], new k/v [..., T, Hkv, D] -> attention output [..., T, Hq, D]."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +50,30 @@ class KVCache:
         self.length = 0
 
 
+class ContiguousAttention:
+    """Batched [B, T] attention over a KVCache (or over the new tokens alone without one)."""
+
+    def __init__(self, cache: KVCache | None, start: int, gqa: bool) -> None:
+        self.cache, self.start, self.gqa = cache, start, gqa
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        t, start = q.shape[2], self.start
+        if self.cache is not None:
+            self.cache.k[layer][:, :, start : start + t] = k
+            self.cache.v[layer][:, :, start : start + t] = v
+            k = self.cache.k[layer][:, :, : start + t]
+            v = self.cache.v[layer][:, :, : start + t]
+        mask = None
+        if t > 1 and start > 0:
+            # Query i sits at position start + i and sees keys 0 .. start + i.
+            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=t > 1 and start == 0, enable_gqa=self.gqa
+        )
+        return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -51,41 +87,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer: int,
-        cache: KVCache | None,
-        start: int,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, backend: AttentionBackend
     ) -> torch.Tensor:
         spec = self.spec
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, spec.num_heads, spec.head_dim)
-        k = self.k_proj(x).view(b, t, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(x).view(b, t, spec.num_kv_heads, spec.head_dim)
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, spec.num_heads, spec.head_dim)
+        k = self.k_proj(x).view(*lead, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x).view(*lead, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-        if cache is not None:
-            cache.k[layer][:, :, start : start + t] = k
-            cache.v[layer][:, :, start : start + t] = v
-            k = cache.k[layer][:, :, : start + t]
-            v = cache.v[layer][:, :, : start + t]
-        if t == 1:
-            mask, causal = None, False
-        elif start == 0:
-            mask, causal = None, True
-        else:
-            # Query i sits at position start + i and sees keys 0 .. start + i.
-            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
-            causal = False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=spec.num_heads != spec.num_kv_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, spec.q_size))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        out = backend(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(out.reshape(*lead, spec.q_size))
 
 
 class MLP(nn.Module):
@@ -108,8 +121,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, h, cos, sin, layer, cache, start):  # type: ignore[no-untyped-def]
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, start)
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, backend: AttentionBackend
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer, backend)
         h = h + attn * self.residual_scale if self.residual_scale != 1.0 else h + attn
         mlp = self.mlp(self.post_attention_layernorm(h))
         return h + mlp * self.residual_scale if self.residual_scale != 1.0 else h + mlp
@@ -144,22 +159,30 @@ class CausalLM(nn.Module):
         return KVCache(self.spec, batch, max_len, self.dtype)
 
     @torch.inference_mode()
+    def forward_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """Final-norm hidden states [..., H] for token ids [...] at the given positions."""
+        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        h = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_scale != 1.0:
+            h = h * self.spec.embedding_scale
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, i, backend)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for input_ids [B, T] appended after the cached tokens."""
         t = input_ids.shape[1]
         start = cache.length if cache is not None else 0
         if cache is not None and start + t > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens; {start + t} requested")
-        positions = torch.arange(start, start + t)
-        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
-        h = self.model.embed_tokens(input_ids)
-        if self.spec.embedding_scale != 1.0:
-            h = h * self.spec.embedding_scale
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, i, cache, start)
+        backend = ContiguousAttention(cache, start, gqa=self.spec.num_heads != self.spec.num_kv_heads)
+        h = self.forward_tokens(input_ids, torch.arange(start, start + t), backend)
         if cache is not None:
             cache.length = start + t
-        return self.model.norm(h)
+        return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

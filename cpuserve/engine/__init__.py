@@ -1,0 +1,1 @@
+"""The serving engine: requests in, batched forward passes over a paged KV cache, tokens out."""

@@ -1,0 +1,39 @@
+"""Offline batch generation in the spirit of vLLM's `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+
+from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
+from cpuserve.engine.outputs import RequestOutput
+from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.model.resolve import resolve_model
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", cache_dir: str | None = None, **config) -> None:  # type: ignore[no-untyped-def]
+        self.engine = LLMEngine.from_model_dir(resolve_model(model, cache_dir), EngineConfig(**config), dtype)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion together; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+            self.engine.add_request(request_id, prompt, p or SamplingParams())
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,80 @@
+"""Attention over the paged KV cache for a flat batch mixing prefill chunks and decodes.
+
+K/V live in per-layer slot arrays [num_blocks * block_size, Hkv, D]; a sequence's token at
+position p is in slot block_table[p // block_size] * block_size + p % block_size. Decodes are
+batched into one attention call (padded to the longest context, masked); each prefill chunk is
+one call with a causal mask offset by what is already cached. GQA is handled by the attention
+call itself, so each KV head is read once for all query heads that share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class PagedKVCache:
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot indices of token positions start..end-1 of a sequence."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass
+class PrefillChunk:
+    rows: slice  # rows of the flat batch
+    context_slots: torch.Tensor  # slots of every cached + new token of the sequence
+    num_cached: int  # tokens before this chunk
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    decode_rows: torch.Tensor | None  # [Nd] rows of single-token sequences
+    decode_slots: torch.Tensor | None  # [Nd, Lmax] context slots, padded
+    decode_mask: torch.Tensor | None  # [Nd, 1, 1, Lmax] True where a real context token is
+    prefills: list[PrefillChunk]
+
+
+class PagedAttention:
+    """The decoder's AttentionBackend for one engine step."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, gqa: bool) -> None:
+        self.cache, self.meta, self.gqa = cache, meta, gqa
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[meta.slot_mapping] = k
+        vc[meta.slot_mapping] = v
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            n, length = meta.decode_slots.shape
+            keys = kc[meta.decode_slots.view(-1)].view(n, length, *kc.shape[1:]).transpose(1, 2)
+            values = vc[meta.decode_slots.view(-1)].view(n, length, *vc.shape[1:]).transpose(1, 2)
+            query = q[meta.decode_rows].unsqueeze(2)  # [Nd, Hq, 1, D]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, enable_gqa=self.gqa)
+            out[meta.decode_rows] = o.squeeze(2)
+        for chunk in meta.prefills:
+            query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]
+            keys = kc[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            values = vc[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            t, cached = query.shape[2], chunk.num_cached
+            mask = None if cached == 0 else torch.ones(t, cached + t, dtype=torch.bool).tril(diagonal=cached)
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=cached == 0 and t > 1, enable_gqa=self.gqa
+            )
+            out[chunk.rows] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,83 @@
+"""Next-token choice per sequence: penalties, bias, temperature, top-k/p, min-p, seeded draws,
+and logprobs.
+
+Logprobs are those of the model's own distribution (log_softmax of the raw logits, before any
+penalty or temperature), as vLLM reports them by default. Each sequence draws from its own
+generator, so a seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from cpuserve.engine.sequence import Sequence, TokenLogprobs
+
+
+def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank (1 = most likely) and the top-k, from a log_softmax row."""
+    chosen = float(logprobs[token])
+    rank = int((logprobs > logprobs[token]).sum()) + 1
+    top: dict[int, float] = {}
+    if k > 0:
+        values, ids = torch.topk(logprobs, k)
+        top = {int(i): float(v) for i, v in zip(ids, values, strict=True)}
+    return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
+
+
+def _processed(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
+    p = seq.params
+    needs = (
+        p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        or len(seq.output_ids) < p.min_tokens
+    )
+    if not needs:
+        return raw
+    x = raw.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), dtype=torch.long)
+        vals = x[seen]
+        x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+        counts = Counter(seq.output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        n = torch.tensor(list(counts.values()), dtype=x.dtype)
+        x[ids] -= p.frequency_penalty * n + p.presence_penalty
+    for token, bias in p.logit_bias.items():
+        x[int(token)] += bias
+    if len(seq.output_ids) < p.min_tokens and stop_ids:
+        x[torch.tensor(sorted(stop_ids), dtype=torch.long)] = float("-inf")
+    return x
+
+
+def _draw(x: torch.Tensor, seq: Sequence) -> int:
+    p = seq.params
+    if p.greedy:
+        return int(torch.argmax(x))
+    x = x / p.temperature
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> list[tuple[int, TokenLogprobs | None]]:
+    """One (token, logprobs or None) per row of fp32 logits [N, V]."""
+    results = []
+    for raw, seq in zip(logits, seqs, strict=True):
+        stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
+        token = _draw(_processed(raw, seq, stop_ids), seq)
+        info = None
+        if seq.params.logprobs is not None:
+            info = token_logprobs(torch.log_softmax(raw, dim=-1), token, seq.params.logprobs)
+        results.append((token, info))
+    return results

@@ -1,0 +1,70 @@
+"""One generated sequence (a request with n > 1 has n of them): tokens, KV blocks, results."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cpuserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and rank, and the top-k alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing prompt tokens (their logprobs, if asked for, are being collected)."""
+        return self.num_computed < len(self.prompt_ids)
