@@ -92,12 +92,12 @@ def test_prefix_cache_hits_and_lru_eviction():
     blocks = BlockManager(8, 4)
     sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
     shared = list(range(12))  # three full blocks
-    first = make_seq(shared + [50, 51])
+    first = make_seq([*shared, 50, 51])
     sched.add(first)
     fake_step(sched)
     sched.finish(first, "stop")
     assert blocks.num_free == 8
-    second = make_seq(shared + [60])
+    second = make_seq([*shared, 60])
     sched.add(second)
     batch = fake_step(sched)
     assert second.num_cached_tokens == 12 and batch.items == [(second, 1)]
@@ -108,7 +108,7 @@ def test_prefix_cache_hits_and_lru_eviction():
         sched.add(s)
         fake_step(sched)
         sched.finish(s, "stop")
-    third = make_seq(shared + [70])
+    third = make_seq([*shared, 70])
     sched.add(third)
     fake_step(sched)
     assert third.num_cached_tokens < 12

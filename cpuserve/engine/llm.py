@@ -27,13 +27,22 @@ class LLM:
         """Run every prompt to completion together; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(request_id, prompt, p or SamplingParams())
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        return run_to_completion(self.engine, dict(zip(ids, prompts, strict=True)), sampling_params)
+
+
+def run_to_completion(
+    engine: LLMEngine,
+    prompts: dict[str, str | list[int]],
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+) -> list[RequestOutput]:
+    """Add every request (request id -> prompt), step until all finish; outputs in the given order."""
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    for (request_id, prompt), p in zip(prompts.items(), params, strict=True):
+        engine.add_request(request_id, prompt, p or SamplingParams())
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in prompts]

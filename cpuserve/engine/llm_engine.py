@@ -82,9 +82,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Validate and queue; an impossible request raises InvalidRequest and queues nothing."""
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -101,13 +99,15 @@ class LLMEngine:
             raise InvalidRequest("prompt", "is empty")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
-                "prompt", f"is {len(ids)} tokens; this server's max_model_len is {self.max_model_len}, which "
-                "leaves no room to generate"
+                "prompt",
+                f"is {len(ids)} tokens; this server's max_model_len is {self.max_model_len}, which "
+                "leaves no room to generate",
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
-                "max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds max_model_len "
-                f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)}"
+                "max_tokens",
+                f"{params.max_tokens} + {len(ids)} prompt tokens exceeds max_model_len "
+                f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)}",
             )
         seqs, texts = [], []
         for index in range(params.n):
@@ -229,7 +229,12 @@ class LLMEngine:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path, config: EngineConfig, dtype: str = "auto", machine=None, overrides=None  # type: ignore[no-untyped-def]
+        cls,
+        model_dir: Path,
+        config: EngineConfig,
+        dtype: str = "auto",
+        machine=None,
+        overrides=None,  # type: ignore[no-untyped-def]
     ) -> LLMEngine:
         """Load the model and size the KV cache from the platform memory plan (unless given)."""
         from cpuserve.doctor import model_facts, plan_model_memory
@@ -252,7 +257,9 @@ class LLMEngine:
             log.info(
                 "KV cache: %.2f GiB, %d blocks of %d tokens (%s)",
                 config.num_kv_blocks * config.block_size * facts["kv_bytes_per_token"] / 1024**3,
-                config.num_kv_blocks, config.block_size, mem.reason,
+                config.num_kv_blocks,
+                config.block_size,
+                mem.reason,
             )
         model = load_model(model_dir, dtype)
         return cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))

@@ -12,6 +12,7 @@ from collections import Counter
 
 import torch
 
+from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.sequence import Sequence, TokenLogprobs
 
 
@@ -26,10 +27,13 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
 
 
-def _processed(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
+def processed_logits(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
     p = seq.params
     needs = (
-        p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
         or len(seq.output_ids) < p.min_tokens
     )
     if not needs:
@@ -51,12 +55,10 @@ def _processed(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Te
     return x
 
 
-def _draw(x: torch.Tensor, seq: Sequence) -> int:
-    p = seq.params
-    if p.greedy:
-        return int(torch.argmax(x))
+def distribution(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Sampling probabilities from processed logits: temperature, then top-k, top-p, min-p."""
     x = x / p.temperature
-    if p.top_k > 0 and p.top_k < x.numel():
+    if 0 < p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
@@ -67,7 +69,13 @@ def _draw(x: torch.Tensor, seq: Sequence) -> int:
         probs = probs.scatter(0, order[drop], 0.0)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=seq.generator))
+    return probs
+
+
+def _draw(x: torch.Tensor, seq: Sequence) -> int:
+    if seq.params.greedy:
+        return int(torch.argmax(x))
+    return int(torch.multinomial(distribution(x, seq.params), 1, generator=seq.generator))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> list[tuple[int, TokenLogprobs | None]]:
@@ -75,7 +83,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> lis
     results = []
     for raw, seq in zip(logits, seqs, strict=True):
         stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
-        token = _draw(_processed(raw, seq, stop_ids), seq)
+        token = _draw(processed_logits(raw, seq, stop_ids), seq)
         info = None
         if seq.params.logprobs is not None:
             info = token_logprobs(torch.log_softmax(raw, dim=-1), token, seq.params.logprobs)
