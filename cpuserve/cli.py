@@ -156,6 +156,37 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if report["problems"] else 0
 
 
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    _, _, threads = _platform_plan(args)
+    from cpuserve.bench.engine_bench import render, run_engine_bench
+    from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
+    from cpuserve.model.resolve import resolve_model
+
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise CpuserveError(f"--concurrency {args.concurrency!r}: expected numbers like 1,4,8,16") from None
+    model_dir = resolve_model(args.model, args.cache_dir)
+    config = EngineConfig(
+        max_model_len=args.max_model_len, max_num_seqs=max(concurrencies), max_num_batched_tokens=2048
+    )
+    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype)
+    result = run_engine_bench(engine, concurrencies, args.new_tokens, args.prompt_words, args.repeats)
+    print(render(str(model_dir), str(engine.model.dtype).removeprefix("torch."), threads.count, result))
+    return 0
+
+
+def _cmd_bench_make_model(args: argparse.Namespace) -> int:
+    from cpuserve.bench.make_model import make_model
+    from cpuserve.model.resolve import resolve_model
+
+    if args.scheme != "bf16":
+        raise CpuserveError(f"--scheme {args.scheme}: only bf16 exists until quantized checkpoints land")
+    out = make_model(args.shape, Path(args.out_dir), resolve_model(None, args.cache_dir), args.seed, args.force)
+    log.info("wrote %s", out)
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from cpuserve.model.gguf_convert import convert_gguf
 
@@ -189,6 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--max-num-seqs", type=int, default=64)
     doc.add_argument("--max-num-batched-tokens", type=int, default=2048)
     doc.set_defaults(func=_cmd_doctor)
+
+    bench = sub.add_parser("bench", help="benchmarks and benchmark models")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    be = bench_sub.add_parser("engine", help="aggregate decode tok/s at several concurrencies; logprobs cost")
+    _add_model_args(be)
+    be.add_argument("--concurrency", default="1,4,8,16")
+    be.add_argument("--new-tokens", type=int, default=32)
+    be.add_argument("--prompt-words", type=int, default=32)
+    be.add_argument("--repeats", type=int, default=3)
+    be.add_argument("--max-model-len", type=int, default=1024)
+    be.set_defaults(func=_cmd_bench_engine)
+    mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
+    mm.add_argument("out_dir")
+    mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")
+    mm.add_argument("--scheme", default="bf16", help="bf16 (w8a8 and w4a8 come with quantized checkpoints)")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--force", action="store_true")
+    mm.add_argument("--cache-dir", default=None)
+    mm.set_defaults(func=_cmd_bench_make_model)
 
     conv = sub.add_parser("convert", help="convert a llama GGUF file into an HF directory (bf16 safetensors)")
     conv.add_argument("gguf", help="the .gguf file")

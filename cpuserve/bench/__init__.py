@@ -1,0 +1,1 @@
+"""Benchmarks and benchmark models: side-by-side numbers, never timing assertions."""

@@ -1,0 +1,130 @@
+"""The engine on its own thread, driven from asyncio: the event loop never waits for a forward pass.
+
+Requests and aborts are handed to the engine thread, which applies them between steps; outputs
+come back to each request's asyncio queue. A request whose consumer goes away (a client that
+disconnects, a cancelled task) is aborted and its KV blocks freed before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cpuserve.engine.llm_engine import LLMEngine
+from cpuserve.engine.outputs import RequestOutput
+from cpuserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; the process should be restarted."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    accepted: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Add] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="cpuserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they change; InvalidRequest is raised before the first."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running") from self.error
+        add = _Add(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue(), concurrent.futures.Future())
+        with self._cond:
+            self._adds.append(add)
+            self._cond.notify()
+        await asyncio.wrap_future(add.accepted)
+        finished = False
+        try:
+            while True:
+                item = await add.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine stopped") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
+        add.loop.call_soon_threadsafe(add.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._adds or self._aborts or self._stopping or engine.has_unfinished()):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for add in adds:
+                try:
+                    engine.add_request(add.request_id, add.prompt, add.params)
+                except Exception as exc:  # rejected: the caller gets the error, nothing is queued
+                    add.accepted.set_exception(exc)
+                    continue
+                self._streams[add.request_id] = add
+                add.accepted.set_result(None)
+            for request_id in aborts:
+                if engine.abort(request_id):
+                    log.debug("aborted %s", request_id)
+                self._streams.pop(request_id, None)
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; the engine stops")
+                self.error = exc
+                for add in self._streams.values():
+                    self._deliver(add, exc)
+                return
+            for out in outputs:
+                add = self._streams.get(out.request_id)
+                if add is not None:
+                    self._deliver(add, out)
+                    if out.finished:
+                        del self._streams[out.request_id]

@@ -1,0 +1,81 @@
+"""The threaded async wrapper: concurrency, cancellation and rejection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cpuserve.engine.async_engine import AsyncEngine
+from cpuserve.engine.llm import run_to_completion
+from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
+from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
+from cpuserve.tokenizer import GenerationDefaults, Tokenizer
+
+
+@pytest.fixture
+def engine(our_smol, smol_dir):
+    cfg = EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256)
+    return LLMEngine(our_smol, Tokenizer(smol_dir), cfg, GenerationDefaults.load(smol_dir))
+
+
+def test_concurrent_requests_match_the_synchronous_engine(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The sky is", "Python is a", "My name is"]
+    expected = [o.outputs[0].token_ids for o in run_to_completion(engine, dict(enumerate(prompts)), params)]
+    async_engine = AsyncEngine(engine)
+
+    async def one(i, prompt):
+        last = None
+        async for out in async_engine.generate(f"q{i}", prompt, params):
+            last = out
+        return last.outputs[0].token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        async_engine.shutdown()
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(engine):
+    async_engine = AsyncEngine(engine)
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        gen = async_engine.generate("long", "Count to a thousand:", params)
+        seen = 0
+        async for _ in gen:
+            seen += 1
+            if seen == 3:
+                break
+        await gen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not engine.has_unfinished():
+                break
+        return seen
+
+    try:
+        assert asyncio.run(main()) == 3
+        assert not engine.has_unfinished()
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        async_engine.shutdown()
+
+
+def test_invalid_request_raises_before_any_output(engine):
+    async_engine = AsyncEngine(engine)
+
+    async def main():
+        async for _ in async_engine.generate("bad", "hi", SamplingParams(top_p=2.0)):
+            pass
+
+    try:
+        with pytest.raises(InvalidRequest, match=r"^top_p"):
+            asyncio.run(main())
+        assert async_engine.alive and not engine.has_unfinished()
+    finally:
+        async_engine.shutdown()
