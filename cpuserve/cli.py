@@ -187,6 +187,12 @@ def _cmd_bench_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cpuserve.server.serve import serve
+
+    return serve(args, _platform_plan)
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from cpuserve.model.gguf_convert import convert_gguf
 
@@ -211,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
+
+    from cpuserve.server.serve import add_serve_args
+
+    srv = sub.add_parser("serve", help="serve a model over the OpenAI API (a drop-in for `vllm serve`)")
+    add_serve_args(srv)
+    srv.set_defaults(func=_cmd_serve)
 
     doc = sub.add_parser("doctor", help="explain what was detected and chosen, and whether a model fits")
     _add_model_args(doc)

@@ -70,6 +70,22 @@ class GenerationDefaults:
         )
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character -> the byte it stands for (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF = _byte_alphabet()
+
+
 class Tokenizer:
     """Encode, decode and apply the chat template of one model."""
 
@@ -89,9 +105,10 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
-        self._compiled = None
+        self._compiled: dict[str, Any] = {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self._special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -105,19 +122,37 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (a piece of a UTF-8 character, possibly)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if piece in self._special or not all(c in _BYTE_OF for c in piece):
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(_BYTE_OF[c] for c in piece)
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        **extra: Any,
     ) -> str:
-        """Render messages to the prompt text the model was trained on."""
-        if self.chat_template is None:
-            raise ChatTemplateError("this model has no chat template; use a plain prompt")
-        if self._compiled is None:
+        """Render messages to the prompt text the model was trained on (or with `template`)."""
+        source = template or self.chat_template
+        if source is None:
+            raise ChatTemplateError("this model has no chat template; use a plain prompt or --chat-template")
+        compiled = self._compiled.get(source)
+        if compiled is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled = env.from_string(self.chat_template)
+            try:
+                compiled = self._compiled[source] = env.from_string(source)
+            except TemplateError as exc:
+                raise ChatTemplateError(f"chat template does not compile: {exc}") from None
         try:
-            return self._compiled.render(
+            return compiled.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

