@@ -195,7 +195,7 @@ def test_keys(server):
             assert json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         status, body = _post(server, path, {"model": MODEL, "prompt": "x", "messages": QUESTION}, key="wrong")
-        assert status == 401, path
+        assert status == 401 and body["error"]["type"] == "AuthenticationError", path
     with urllib.request.urlopen(server + "/health", timeout=10) as r:
         assert r.status == 200
 
