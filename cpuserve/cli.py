@@ -176,6 +176,19 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_startup(args: argparse.Namespace) -> int:
+    from cpuserve.bench.startup_bench import run_startup_bench
+    from cpuserve.model.resolve import resolve_model
+
+    model_dir = resolve_model(args.model, args.cache_dir)  # convert once, outside the measurement
+    print(
+        run_startup_bench(
+            [str(model_dir) if args.model else "", *args.serve_args][bool(not args.model) :], args.repeats
+        )
+    )
+    return 0
+
+
 def _cmd_bench_make_model(args: argparse.Namespace) -> int:
     from cpuserve.bench.make_model import make_model
     from cpuserve.model.resolve import resolve_model
@@ -243,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=3)
     be.add_argument("--max-model-len", type=int, default=1024)
     be.set_defaults(func=_cmd_bench_engine)
+    bs = bench_sub.add_parser("startup", help="seconds from `cpuserve serve` to the first answered request")
+    bs.add_argument("model", nargs="?", default=None)
+    bs.add_argument("--cache-dir", default=None)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
+    bs.set_defaults(func=_cmd_bench_startup)
     mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
     mm.add_argument("out_dir")
     mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")

@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 import torch
 
+from cpuserve.bench.server_process import running_server
 from cpuserve.generate import SimpleSampling, generate_ids
 from cpuserve.tokenizer import Tokenizer
-from tests.server_process import running_server
 
 openai = pytest.importorskip("openai")
 

@@ -80,12 +80,23 @@ def _draw(x: torch.Tensor, seq: Sequence) -> int:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> list[tuple[int, TokenLogprobs | None]]:
     """One (token, logprobs or None) per row of fp32 logits [N, V]."""
-    results = []
+    tokens = []
     for raw, seq in zip(logits, seqs, strict=True):
         stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
-        token = _draw(processed_logits(raw, seq, stop_ids), seq)
-        info = None
-        if seq.params.logprobs is not None:
-            info = token_logprobs(torch.log_softmax(raw, dim=-1), token, seq.params.logprobs)
-        results.append((token, info))
-    return results
+        tokens.append(_draw(processed_logits(raw, seq, stop_ids), seq))
+    infos: list[TokenLogprobs | None] = [None] * len(seqs)
+    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if wanted:
+        # One pass over the rows that asked: log_softmax, chosen values, ranks and top-k together.
+        rows = torch.tensor(wanted)
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        chosen_ids = torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)
+        chosen = lp.gather(1, chosen_ids)
+        ranks = (lp > chosen).sum(dim=1) + 1
+        k = max(seqs[i].params.logprobs for i in wanted)
+        top_v, top_i = torch.topk(lp, k, dim=1) if k else (None, None)
+        for j, i in enumerate(wanted):
+            n = seqs[i].params.logprobs
+            top = {} if not n else dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True))
+            infos[i] = TokenLogprobs(token_id=tokens[i], logprob=float(chosen[j, 0]), rank=int(ranks[j]), top=top)
+    return list(zip(tokens, infos, strict=True))

@@ -1,4 +1,4 @@
-"""Start a real `cpuserve serve` process on 127.0.0.1 for tests, and stop it."""
+"""Start a real `cpuserve serve` process on 127.0.0.1 (for tests and benchmarks), and stop it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +20,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(args: list[str], env: dict[str, str] | None = None, log: Path | None = None):
+def running_server(
+    args: list[str], env: dict[str, str] | None = None, log: Path | None = None, poll: float = 0.2
+) -> Iterator[str]:
+    """Yield the base URL once /health answers 200; terminate the process afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "cpuserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
@@ -39,7 +43,7 @@ def running_server(args: list[str], env: dict[str, str] | None = None, log: Path
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy in 180 s")
-            time.sleep(0.2)
+            time.sleep(poll)
         yield base
     finally:
         proc.terminate()
