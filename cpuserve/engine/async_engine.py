@@ -77,6 +77,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Abort before the next step (idempotent; unknown or finished ids are ignored)."""
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()

@@ -124,20 +124,23 @@ class Server:
                     self.metrics.requests.labels(model_name=self.model_name, finished_reason=o.finish_reason).inc()
             yield out
 
-    async def _start(self, jobs) -> tuple[list, list[RequestOutput]]:  # type: ignore[no-untyped-def]
+    async def _start(self, jobs) -> tuple[list[str], list, list[RequestOutput]]:  # type: ignore[no-untyped-def]
         """Start every engine request and wait for its first output, so that a rejected request
         (InvalidRequest) becomes an error response before any byte of a stream is sent."""
-        streams = [self._stream(j, ids, p) for j, ids, p in jobs]
+        ids = [j for j, _, _ in jobs]
+        streams = [self._stream(j, prompt, p) for j, prompt, p in jobs]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
-            for stream in streams:
-                await stream.aclose()
+            for request_id in ids:
+                self.engine.abort(request_id)
             raise errors[0]
-        return streams, firsts  # type: ignore[return-value]
+        return ids, streams, firsts  # type: ignore[return-value]
 
-    async def _merge(self, streams: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several engine requests as they come, tagged with the prompt index."""
+    async def _merge(self, started) -> AsyncIterator[tuple[int, RequestOutput]]:  # type: ignore[no-untyped-def]
+        """Outputs of several engine requests as they come, tagged with the prompt index. However
+        it ends (done, client gone, cancelled), every request still running is aborted."""
+        ids, streams, firsts = started
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream) -> None:  # type: ignore[no-untyped-def]
@@ -163,15 +166,16 @@ class Server:
                 else:
                     yield i, item
         finally:
+            # No awaiting here: this may run inside a cancelled scope. Cancelling the pumps ends
+            # their streams; abort() is synchronous and idempotent.
             for t in tasks:
                 t.cancel()
-            for stream in streams:
-                await stream.aclose()
+            for request_id in ids:
+                self.engine.abort(request_id)
 
     async def _collect(self, request: Request, jobs) -> list[RequestOutput] | None:  # type: ignore[no-untyped-def]
         """Run jobs to completion; None when the client went away (its requests are aborted)."""
-        streams, firsts = await self._start(jobs)
-        merged = self._merge(streams, firsts)
+        merged = self._merge(await self._start(jobs))
         finals: dict[int, RequestOutput] = {}
 
         async def consume() -> None:
@@ -245,8 +249,7 @@ class Server:
                 params.prompt_logprobs = req.logprobs
             jobs.append((f"{rid}-{i}", ids, params))
         if req.stream:
-            streams, firsts = await self._start(jobs)
-            return self._sse(self._completion_events(rid, created, req, self._merge(streams, firsts)))
+            return self._sse(self._completion_events(rid, created, req, self._merge(await self._start(jobs))))
         finals = await self._collect(request, jobs)
         if finals is None:
             return Response(status_code=499)
@@ -395,8 +398,7 @@ class Server:
         created = int(time.time())
         jobs = [(rid, ids, params)]
         if req.stream:
-            streams, firsts = await self._start(jobs)
-            return self._sse(self._chat_events(rid, created, req, len(ids), self._merge(streams, firsts)))
+            return self._sse(self._chat_events(rid, created, req, len(ids), self._merge(await self._start(jobs))))
         finals = await self._collect(request, jobs)
         if finals is None:
             return Response(status_code=499)
