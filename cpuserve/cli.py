@@ -206,6 +206,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, _platform_plan)
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.quant.quantize import quantize_checkpoint
+
+    src = resolve_model(args.src, args.cache_dir)
+    ignore = None if args.ignore is None else [i for part in args.ignore for i in part.split(",") if i]
+    out = quantize_checkpoint(src, Path(args.out_dir), args.scheme, args.group_size, args.pack, ignore, args.force)
+    log.info("wrote %s", out)
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from cpuserve.model.gguf_convert import convert_gguf
 
@@ -270,6 +281,22 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--force", action="store_true")
     mm.add_argument("--cache-dir", default=None)
     mm.set_defaults(func=_cmd_bench_make_model)
+
+    qz = sub.add_parser("quantize", help="quantize a checkpoint to compressed-tensors W4A8 or W8A8")
+    qz.add_argument("src", nargs="?", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
+    qz.add_argument("out_dir")
+    qz.add_argument("--scheme", required=True, choices=["w4a8", "w8a8"])
+    qz.add_argument("--group-size", type=int, default=None, help="w4a8: 32, 64 or 128 (default), 0 per channel")
+    qz.add_argument("--pack", action="store_true", help="pack-quantized (int32 words) instead of int-quantized")
+    qz.add_argument(
+        "--ignore",
+        action="append",
+        default=None,
+        help="modules left unquantized: names or re:patterns, comma-separated (default: lm_head)",
+    )
+    qz.add_argument("--force", action="store_true")
+    qz.add_argument("--cache-dir", default=None)
+    qz.set_defaults(func=_cmd_quantize)
 
     conv = sub.add_parser("convert", help="convert a llama GGUF file into an HF directory (bf16 safetensors)")
     conv.add_argument("gguf", help="the .gguf file")

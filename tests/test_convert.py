@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from cpuserve.errors import CheckpointError
-from cpuserve.model import gguf_convert
+from cpuserve.model import checkpoint
 from cpuserve.model.gguf_convert import convert_gguf, hf_name
 from cpuserve.model.loader import load_model
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
@@ -120,7 +120,7 @@ def test_interrupted_convert_leaves_nothing_that_looks_complete(tiny_gguf, tmp_p
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_convert, "save_file", interrupted)
+    monkeypatch.setattr(checkpoint, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(path, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

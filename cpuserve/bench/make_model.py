@@ -8,15 +8,14 @@ SmolLM2 tokenizer is copied (ids past its vocabulary decode to nothing).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from cpuserve.errors import CpuserveError
+from cpuserve.model.checkpoint import ShardWriter, atomic_directory
 
 SHAPES = {
     "minicpm5-2b": {
@@ -80,59 +79,30 @@ def _layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 def make_model(shape: str, out: Path, tokenizer_dir: Path, seed: int = 0, force: bool = False) -> Path:
     if shape not in SHAPES:
         raise CpuserveError(f"--shape {shape!r} is unknown (known: {', '.join(SHAPES)})")
-    if out.exists() and not force:
-        raise CpuserveError(f"{out}: already exists (pass --force to replace it)")
     cfg = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-
-        def rand(shape: tuple[int, ...]) -> torch.Tensor:
-            if len(shape) == 1:
-                return torch.ones(shape, dtype=torch.bfloat16)
-            # std 1/sqrt(fan_in): each projection keeps the activation scale.
-            return (torch.randn(shape, generator=gen) / shape[1] ** 0.5).to(torch.bfloat16)
-
-        shard: dict[str, torch.Tensor] = {}
-        weight_map: dict[str, str] = {}
-        names = [f"model.layers.{n}.{k}" for n in range(cfg["num_hidden_layers"]) for k in _layer_shapes(cfg)]
-        shapes = {n: _layer_shapes(cfg)[n.split(".", 3)[3]] for n in names}
-        shapes["model.embed_tokens.weight"] = (cfg["vocab_size"], cfg["hidden_size"])
-        shapes["model.norm.weight"] = (cfg["hidden_size"],)
-        if not cfg["tie_word_embeddings"]:
-            shapes["lm_head.weight"] = (cfg["vocab_size"], cfg["hidden_size"])
-        files = 0
+    shapes = {
+        f"model.layers.{n}.{k}": v for n in range(cfg["num_hidden_layers"]) for k, v in _layer_shapes(cfg).items()
+    }
+    shapes["model.embed_tokens.weight"] = (cfg["vocab_size"], cfg["hidden_size"])
+    shapes["model.norm.weight"] = (cfg["hidden_size"],)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], cfg["hidden_size"])
+    with atomic_directory(out, force) as partial:
+        writer = ShardWriter(partial)
         for name in tqdm(list(shapes), desc=f"random {shape}", unit="tensor"):
-            t = rand(shapes[name])
-            if name == "model.embed_tokens.weight":
-                t = (t.float() * shapes[name][1] ** 0.5 * 0.02).to(torch.bfloat16)
-            shard[name] = t
-            if sum(x.numel() for x in shard.values()) * 2 > 2 * 1024**3:
-                files += 1
-                save_file(shard, str(partial / f"part-{files}.safetensors"), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, f"part-{files}.safetensors"))
-                shard = {}
-        if shard:
-            files += 1
-            save_file(shard, str(partial / f"part-{files}.safetensors"), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, f"part-{files}.safetensors"))
-        final_names = {
-            f"part-{k}.safetensors": f"model-{k:05d}-of-{files:05d}.safetensors" for k in range(1, files + 1)
-        }
-        for old, new in final_names.items():
-            (partial / old).rename(partial / new)
-        index = {"metadata": {}, "weight_map": {n: final_names[f] for n, f in weight_map.items()}}
-        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            dims = shapes[name]
+            if len(dims) == 1:
+                t = torch.ones(dims)
+            elif name == "model.embed_tokens.weight":
+                t = torch.randn(dims, generator=gen) * 0.02
+            else:  # std 1/sqrt(fan_in): each projection keeps the activation scale
+                t = torch.randn(dims, generator=gen) / dims[1] ** 0.5
+            writer.add(name, t.to(torch.bfloat16))
+        writer.finish()
         (partial / "config.json").write_text(json.dumps(cfg, indent=2))
         (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}))
         for fname in TOKENIZER_FILES:
             if (tokenizer_dir / fname).is_file():
                 shutil.copy(tokenizer_dir / fname, partial / fname)
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return out

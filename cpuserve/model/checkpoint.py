@@ -6,12 +6,15 @@ Pickled formats (`*.bin`, `*.pt`) are refused: loading them can run arbitrary co
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from cpuserve.errors import CheckpointError
 
@@ -99,3 +102,63 @@ class SafetensorsCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ShardWriter:
+    """Writes tensors as HF safetensors shards (a new file past `shard_bytes`), with the index
+    file when there is more than one; tensors are released as each shard is written."""
+
+    def __init__(self, out: Path, shard_bytes: int = 2 * 1024**3) -> None:
+        self.out, self.shard_bytes = out, shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._files: list[list[str]] = []
+        self._total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._size + nbytes > self.shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._size += nbytes
+        self._total += nbytes
+
+    def _flush(self) -> None:
+        index = len(self._files) + 1
+        save_file(self._pending, str(self.out / f"part-{index}.safetensors"), metadata={"format": "pt"})
+        self._files.append(list(self._pending))
+        self._pending, self._size = {}, 0
+
+    def finish(self) -> None:
+        if self._pending or not self._files:
+            self._flush()
+        count = len(self._files)
+        if count == 1:
+            (self.out / "part-1.safetensors").rename(self.out / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self._files, 1):
+            final = f"model-{i:05d}-of-{count:05d}.safetensors"
+            (self.out / f"part-{i}.safetensors").rename(self.out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+@contextmanager
+def atomic_directory(out: Path, force: bool) -> Iterator[Path]:
+    """A hidden sibling to write into, renamed to `out` only when the block completes: a
+    directory named `out` is always complete, whatever interrupts the writing."""
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        yield partial
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

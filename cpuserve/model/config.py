@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ class ModelSpec:
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def q_size(self) -> int:
@@ -126,9 +127,9 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         raise ConfigError(
             f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    if "quantization_config" in cfg:
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise ConfigError(f"{source}: quantized checkpoints ({method}) are not supported yet")
+    quant = cfg.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
@@ -181,6 +182,7 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        quantization_config=quant,
         **switches,
     )
 

@@ -7,18 +7,16 @@ complete, so an interrupted conversion never leaves a directory that looks finis
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from cpuserve.errors import CheckpointError
+from cpuserve.model.checkpoint import ShardWriter, atomic_directory
 from cpuserve.model.gguf_tokenizer import build_tokenizer
 
 SUPPORTED_TYPES = {
@@ -34,7 +32,6 @@ SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.Q5_K,
     gguf.GGMLQuantizationType.Q6_K,
 }
-SHARD_BYTES = 2 * 1024**3
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -197,32 +194,9 @@ def _dequantize(t: Any, source: Path) -> np.ndarray:
     return data.reshape(shape)
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], out: Path) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
 def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = True) -> Path:
     """Convert; on success `out` is a complete HF directory, on any failure it does not exist."""
-    if out.exists() and not force:
+    if out.exists() and not force:  # checked before the (long) read as well
         raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
     reader = _open(src)
     meta = read_metadata(reader)
@@ -234,15 +208,11 @@ def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = Tru
     if unknown:
         raise CheckpointError(f"{src}: tensor '{unknown[0]}' has no place in a llama model")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    try:
+    with atomic_directory(out, force) as partial:
         for fname, text in _tokenizer_files(meta, config, src).items():
             (partial / fname).write_text(text)
         (partial / "config.json").write_text(json.dumps(config, indent=2))
-        tensors: dict[str, torch.Tensor] = {}
+        writer = ShardWriter(partial)
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress):
             data = _dequantize(t, src)
@@ -250,11 +220,6 @@ def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = Tru
                 data = unpermute_rope(data, heads)
             elif t.name.endswith("attn_k.weight"):
                 data = unpermute_rope(data, kv_heads)
-            tensors[hf_name(t.name)] = torch.from_numpy(np.array(data, dtype=np.float32)).to(torch.bfloat16)
-        _write_shards(tensors, partial)
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+            writer.add(hf_name(t.name), torch.from_numpy(np.array(data, dtype=np.float32)).to(torch.bfloat16))
+        writer.finish()
     return out

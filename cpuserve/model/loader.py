@@ -7,12 +7,15 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import ModelSpec, load_spec
 from cpuserve.model.decoder import CausalLM
+from cpuserve.quant.config import QuantConfig
+from cpuserve.quant.schemes import QuantLinear, expected_tensors, load_quantized
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +35,60 @@ def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
     return DTYPES[name]
 
 
+def quantize_modules(model: CausalLM, spec: ModelSpec, source: str) -> dict[str, QuantLinear]:
+    """Swap the Linear modules the quantization_config covers for QuantLinear (on the meta device)."""
+    if spec.quantization_config is None:
+        return {}
+    qc = QuantConfig.from_hf(spec.quantization_config, source)
+    swapped: dict[str, QuantLinear] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        quant = qc.scheme_for(name)
+        if quant is None:
+            continue
+        if name == "lm_head" and spec.tie_word_embeddings:
+            raise ConfigError(f"{source}: lm_head is tied to the embeddings and cannot be quantized; add it to ignore")
+        if quant.group_size and module.in_features % quant.group_size:
+            raise ConfigError(
+                f"{source}: {name} ({quant.name}): input size {module.in_features} is not a multiple "
+                f"of group_size {quant.group_size}"
+            )
+        with torch.device("meta"):
+            q = QuantLinear(module.in_features, module.out_features, quant, module.bias is not None)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+        swapped[name] = q
+    return swapped
+
+
 def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> CausalLM:
     """Load config and weights; raise CheckpointError naming the tensor on any mismatch."""
     spec = load_spec(model_dir)
     torch_dtype = resolve_dtype(dtype, spec)
     with torch.device("meta"):
         model = CausalLM(spec)
+    quantized = quantize_modules(model, spec, str(model_dir / "config.json"))
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if spec.tie_word_embeddings:
         expected.pop("lm_head.weight")
+    quant_tensors = {
+        name: shape
+        for prefix, q in quantized.items()
+        for name, shape in expected_tensors(prefix, q.quant, q.out_features, q.in_features).items()
+    }
 
     state: dict[str, torch.Tensor] = {}
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        missing = [n for n in expected if n not in ckpt]
+        missing = [n for n in [*expected, *quant_tensors] if n not in ckpt]
         if missing:
             raise CheckpointError(
                 f"{model_dir}: tensor '{missing[0]}' is missing"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 + f" for {spec.architecture}"
+                + (f" with {spec.quantization_config.get('format')} quantization" if quantized else "")
             )
-        extra = [n for n in ckpt.names() if n not in expected and not _IGNORED.search(n)]
+        extra = [n for n in ckpt.names() if n not in expected and n not in quant_tensors and not _IGNORED.search(n)]
         if spec.tie_word_embeddings and "lm_head.weight" in extra:
             extra.remove("lm_head.weight")  # tied: the embedding is the head
         if extra:
@@ -74,6 +111,9 @@ def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> 
                     "expected a floating-point dtype (float32, bfloat16 or float16)"
                 )
             state[name] = tensor.to(torch_dtype).contiguous()
+        for prefix, q in quantized.items():
+            load_quantized(q, prefix, ckpt.get, ckpt.file_of)
+            state[f"{prefix}.qweight"], state[f"{prefix}.scales"] = q.qweight, q.scales
     if spec.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

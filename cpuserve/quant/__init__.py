@@ -1,0 +1,2 @@
+"""Quantized checkpoints: the compressed-tensors config, one scheme object per format, the
+offline quantizer."""

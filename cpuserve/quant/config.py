@@ -1,0 +1,149 @@
+"""`quantization_config` (compressed-tensors) -> which scheme each Linear module uses.
+
+Accepted: symmetric int weights (4 bits by group of 32/64/128, or 8 bits per channel, also 4 bits
+per channel), with dynamic per-token symmetric int8 activations; formats int-quantized /
+naive-quantized (one value per int8) and pack-quantized (int32 words). Everything else is refused
+with a message that names the scheme and the module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from cpuserve.errors import ConfigError
+
+UNPACKED_FORMATS = ("int-quantized", "naive-quantized")
+PACKED_FORMAT = "pack-quantized"
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How one Linear's weight is stored: bits, group size (None: one scale per output channel)."""
+
+    bits: int
+    group_size: int | None
+    packed: bool
+
+    @property
+    def name(self) -> str:
+        grouping = f"G{self.group_size}" if self.group_size else "channel"
+        return f"W{self.bits}A8-{grouping}{' packed' if self.packed else ''}"
+
+
+def _targets_match(targets: list[str], module: str) -> bool:
+    for t in targets:
+        if t == "Linear":
+            return True
+        if t.startswith("re:") and re.match(t[3:], module):
+            return True
+        if t == module:
+            return True
+    return False
+
+
+def _ignored(ignore: list[str], module: str) -> bool:
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], module):
+                return True
+        elif pattern == module:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    targets: list[str]
+    weight: WeightQuant
+
+
+class QuantConfig:
+    def __init__(self, groups: list[_Group], ignore: list[str], source: str) -> None:
+        self.groups, self.ignore, self.source = groups, ignore, source
+
+    @classmethod
+    def from_hf(cls, qc: dict[str, Any], source: str) -> QuantConfig:
+        method = qc.get("quant_method")
+        if method != "compressed-tensors":
+            raise ConfigError(f"{source}: quant_method {method!r} is not supported (expected 'compressed-tensors')")
+        if qc.get("kv_cache_scheme"):
+            raise ConfigError(
+                f"{source}: kv_cache_scheme {qc['kv_cache_scheme']} is not supported (KV cache stays "
+                "in the model dtype)"
+            )
+        sparsity = qc.get("sparsity_config") or {}
+        if sparsity.get("format") not in (None, "dense"):
+            raise ConfigError(f"{source}: sparsity format {sparsity.get('format')!r} is not supported")
+        groups = []
+        default_format = qc.get("format")
+        for name, group in (qc.get("config_groups") or {}).items():
+            groups.append(
+                _Group(
+                    name,
+                    list(group.get("targets") or []),
+                    _weight_quant(group, group.get("format") or default_format, f"{source}: {name}"),
+                )
+            )
+        if not groups:
+            raise ConfigError(f"{source}: quantization_config has no config_groups")
+        return cls(groups, list(qc.get("ignore") or []), source)
+
+    def scheme_for(self, module: str) -> WeightQuant | None:
+        """The module's weight format, or None when it stays unquantized (ignored or untargeted)."""
+        if _ignored(self.ignore, module):
+            return None
+        for group in self.groups:
+            if _targets_match(group.targets, module):
+                return group.weight
+        return None
+
+
+def _weight_quant(group: dict[str, Any], fmt: str | None, where: str) -> WeightQuant:
+    w = group.get("weights")
+    a = group.get("input_activations")
+    if not w:
+        raise ConfigError(f"{where}: no weights quantization (activation-only schemes are not supported)")
+    if fmt not in (*UNPACKED_FORMATS, PACKED_FORMAT):
+        raise ConfigError(
+            f"{where}: format {fmt!r} is not supported (int-quantized, naive-quantized or pack-quantized)"
+        )
+    bits, strategy = w.get("num_bits"), w.get("strategy")
+    scheme = f"weights int{bits} {strategy}"
+    if w.get("type", "int") != "int":
+        raise ConfigError(f"{where}: {w.get('type')} weights are not supported (int only)")
+    if not w.get("symmetric", True):
+        raise ConfigError(f"{where}: asymmetric weights ({scheme}, zero points) are not supported")
+    if w.get("actorder") not in (None, False, "none"):
+        raise ConfigError(f"{where}: actorder {w.get('actorder')!r} ({scheme}) is not supported")
+    if w.get("dynamic"):
+        raise ConfigError(f"{where}: dynamic weight quantization is not supported")
+    if bits not in (4, 8):
+        raise ConfigError(f"{where}: {bits}-bit weights are not supported (4 or 8)")
+    if strategy == "group":
+        size = w.get("group_size")
+        if size not in GROUP_SIZES:
+            raise ConfigError(f"{where}: group_size {size} is not supported ({', '.join(map(str, GROUP_SIZES))})")
+        group_size = size
+    elif strategy == "channel":
+        group_size = None
+    else:
+        raise ConfigError(f"{where}: weight strategy {strategy!r} is not supported (group or channel)")
+    if bits == 8 and group_size is not None:
+        raise ConfigError(f"{where}: int8 weights by group are not supported (int8 is channel-wise)")
+    if not a:
+        raise ConfigError(
+            f"{where}: weight-only schemes (W{bits}A16) are not supported; activations must be int8 per token, dynamic"
+        )
+    activation = (a.get("num_bits"), a.get("type", "int"), a.get("strategy"), bool(a.get("dynamic")))
+    if activation != (8, "int", "token", True):
+        raise ConfigError(
+            f"{where}: input activations int{a.get('num_bits')} {a.get('strategy')} "
+            f"{'dynamic' if a.get('dynamic') else 'static'} are not supported (int8, per token, dynamic)"
+        )
+    if not a.get("symmetric", True):
+        raise ConfigError(f"{where}: asymmetric activations are not supported")
+    return WeightQuant(bits=bits, group_size=group_size, packed=fmt == PACKED_FORMAT)

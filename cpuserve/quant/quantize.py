@@ -1,0 +1,152 @@
+"""`cpuserve quantize`: round-to-nearest symmetric quantization of a bf16/fp16/fp32 checkpoint into
+a compressed-tensors checkpoint, written with the same conventions llm-compressor uses (so vLLM
+could load it): scale = amax / ((2^bits - 1) / 2), q = clamp(round(w / scale), -2^(bits-1),
+2^(bits-1) - 1), scales stored in bf16 and q computed from the stored scale.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from cpuserve.errors import ConfigError
+from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory
+from cpuserve.model.config import load_spec
+from cpuserve.model.decoder import CausalLM
+from cpuserve.quant.config import GROUP_SIZES, WeightQuant
+from cpuserve.quant.schemes import pack_int
+
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+SCHEMES = {"w4a8": 4, "w8a8": 8}
+
+
+def quantize_weight(w: torch.Tensor, quant: WeightQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values [N, K] and bf16 scales [N, G] for a float weight [N, K]."""
+    n, k = w.shape
+    g = quant.group_size or k
+    wf = w.float().view(n, k // g, g)
+    qmax, qmin = (1 << (quant.bits - 1)) - 1, -(1 << (quant.bits - 1))
+    scale = (wf.abs().amax(dim=-1) / ((2**quant.bits - 1) / 2)).to(torch.bfloat16)
+    safe = scale.float().clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    q = torch.round(wf / safe).clamp(qmin, qmax).to(torch.int8).view(n, k)
+    return q, scale
+
+
+def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]:
+    fmt = "pack-quantized" if quant.packed else "int-quantized"
+    args = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "zp_dtype": None,
+        "symmetric": True,
+        "type": "int",
+    }
+    weights = {
+        **args,
+        "num_bits": quant.bits,
+        "strategy": "group" if quant.group_size else "channel",
+        "group_size": quant.group_size,
+    }
+    activations = {**args, "num_bits": 8, "strategy": "token", "group_size": None, "dynamic": True, "observer": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": fmt,
+                "weights": weights,
+                "input_activations": activations,
+                "output_activations": None,
+            }
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+def _is_ignored(name: str, ignore: list[str]) -> bool:
+    import re
+
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
+
+
+def quantize_checkpoint(
+    src: Path,
+    out: Path,
+    scheme: str,
+    group_size: int | None = None,
+    pack: bool = False,
+    ignore: list[str] | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    if scheme not in SCHEMES:
+        raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    bits = SCHEMES[scheme]
+    if bits == 4:
+        group_size = 128 if group_size is None else group_size
+        if group_size not in GROUP_SIZES and group_size != 0:
+            raise ConfigError(
+                f"--group-size {group_size}: expected {', '.join(map(str, GROUP_SIZES))} (0: per channel)"
+            )
+    elif group_size not in (None, 0):
+        raise ConfigError("--group-size: w8a8 is channel-wise (one scale per output channel)")
+    quant = WeightQuant(bits=bits, group_size=group_size or None, packed=pack)
+    ignore = list(ignore) if ignore is not None else ["lm_head"]
+    spec = load_spec(src)
+    if spec.quantization_config is not None:
+        raise ConfigError(f"{src / 'config.json'}: the checkpoint is already quantized")
+    with torch.device("meta"):
+        linears = {n: m for n, m in CausalLM(spec).named_modules() if isinstance(m, nn.Linear)}
+    targets = {n: m for n, m in linears.items() if not _is_ignored(n, ignore)}
+    if spec.tie_word_embeddings and "lm_head" in targets:
+        raise ConfigError("lm_head is tied to the embeddings: keep it in --ignore")
+    for name, m in targets.items():
+        if quant.group_size and m.in_features % quant.group_size:
+            raise ConfigError(
+                f"{name}: input size {m.in_features} is not a multiple of --group-size {quant.group_size}; "
+                f"use a group size that divides it ({', '.join(str(g) for g in GROUP_SIZES if m.in_features % g == 0)})"
+            )
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(quant, ignore)
+    with SafetensorsCheckpoint(src) as ckpt, atomic_directory(out, force) as partial:
+        writer = ShardWriter(partial)
+        for name in tqdm(ckpt.names(), desc=f"quantizing to {quant.name}", unit="tensor", disable=not progress):
+            module = name.removesuffix(".weight")
+            tensor = ckpt.get(name)
+            if name.endswith(".weight") and module in targets:
+                q, scale = quantize_weight(tensor, quant)
+                if quant.packed:
+                    writer.add(f"{module}.weight_packed", pack_int(q, quant.bits))
+                    writer.add(f"{module}.weight_shape", torch.tensor(list(q.shape), dtype=torch.int64))
+                else:
+                    writer.add(name, q)
+                writer.add(f"{module}.weight_scale", scale)
+            else:
+                writer.add(name, tensor)
+        writer.finish()
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        for fname in COPIED_FILES:
+            if (src / fname).is_file():
+                shutil.copy(src / fname, partial / fname)
+    return out

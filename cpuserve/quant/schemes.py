@@ -1,0 +1,155 @@
+"""The quant schemes: what a quantized Linear's checkpoint holds, its layout after load, and its
+reference forward.
+
+After load every scheme holds `qweight` int8 [N, K] (int4 values in [-8, 7], int8 in [-128, 127])
+and `scales` fp32 [N, G] with G = K / group_size (1 for channel-wise). The reference forward is
+exactly the integer arithmetic of the contract (kernels.md): activations quantized per token,
+s_a = amax / 127, q_a = round(x / s_a) in [-127, 127]; per group an exact integer dot product;
+y = s_a * sum_g s_w[g] * acc_g. It is the oracle of the native kernels and the fallback without one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cpuserve.errors import CheckpointError
+from cpuserve.quant.config import WeightQuant
+
+FLOAT_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Integer partial sums stay exact in fp32 while |sum| < 2^24: 127 * 127 * 1024 < 2^24.
+EXACT_CHUNK = 1024
+
+
+def pack_int(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] signed ints -> int32 [N, ceil(K * bits / 32)]: value + 2^(bits-1), element i at bit i*bits."""
+    per_word = 32 // bits
+    n, k = values.shape
+    words = -(-k // per_word)
+    u = (values.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    u = torch.nn.functional.pad(u, (0, words * per_word - k)).view(n, words, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    packed = (u << shifts).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of pack_int: int32 [N, W] -> int8 [N, k]."""
+    per_word = 32 // bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    u = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return (u.view(packed.shape[0], -1)[:, :k] - (1 << (bits - 1))).to(torch.int8)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 (as float values in [-127, 127]) and scales [M, 1]."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.round(x / scale).clamp(-127, 127), scale
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is quantized; forward is the scheme's (reference, for now)."""
+
+    def __init__(self, in_features: int, out_features: int, quant: WeightQuant, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.quant = in_features, out_features, quant
+        groups = in_features // quant.group_size if quant.group_size else 1
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference_forward(x, self.qweight, self.scales, self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        g = self.in_features // self.scales.shape[1]
+        return (self.qweight.float().view(self.out_features, -1, g) * self.scales.unsqueeze(-1)).view(
+            self.out_features, self.in_features
+        )
+
+
+@torch.inference_mode()
+def reference_forward(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    n, groups = scales.shape
+    g = k // groups
+    qa, sa = quantize_activations(x.reshape(-1, k).float())
+    m = qa.shape[0]
+    chunk = next(g // f for f in range(1, g + 1) if g % f == 0 and g // f <= EXACT_CHUNK)
+    qw = qweight.float().view(n, k // chunk, chunk)
+    per_group = g // chunk
+    out = torch.empty(m, n, dtype=torch.float64 if per_group > 1 else torch.float32)
+    rows = max(1, (1 << 24) // max(1, n * (k // chunk)))  # bound the [rows, N, chunks] temporary
+    for start in range(0, m, rows):
+        a = qa[start : start + rows].view(-1, k // chunk, chunk)
+        acc = torch.einsum("mck,nck->mnc", a, qw)  # exact integer sums per chunk
+        if per_group > 1:  # channel-wise with long K: add chunks exactly, in float64
+            acc = acc.double().view(acc.shape[0], n, groups, per_group).sum(-1)
+        out[start : start + rows] = (acc * scales.to(acc.dtype)).sum(-1)
+    y = (out * sa.to(out.dtype)).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*lead, n)
+
+
+def expected_tensors(prefix: str, quant: WeightQuant, n: int, k: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape that a checkpoint must hold for one quantized Linear."""
+    groups = k // quant.group_size if quant.group_size else 1
+    shapes = {f"{prefix}.weight_scale": (n, groups)}
+    if quant.packed:
+        shapes[f"{prefix}.weight_packed"] = (n, -(-k * quant.bits // 32))
+        shapes[f"{prefix}.weight_shape"] = (2,)
+    else:
+        shapes[f"{prefix}.weight"] = (n, k)
+    return shapes
+
+
+def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # type: ignore[no-untyped-def]
+    """Fill a QuantLinear from checkpoint tensors (get(name) -> tensor), checking each one."""
+    quant, n, k = module.quant, module.out_features, module.in_features
+    if quant.group_size and k % quant.group_size:
+        raise CheckpointError(
+            f"{prefix}: {quant.name} needs the input size {k} to be a multiple of the group size {quant.group_size}"
+        )
+    shapes = expected_tensors(prefix, quant, n, k)
+
+    def fetch(name: str, kinds: tuple[torch.dtype, ...]) -> torch.Tensor:
+        t = get(name)
+        if tuple(t.shape) != shapes[name]:
+            raise CheckpointError(
+                f"{where(name)}: tensor '{name}' has shape {list(t.shape)}, expected "
+                f"{list(shapes[name])} for {quant.name} ({n} x {k})"
+            )
+        if t.dtype not in kinds:
+            raise CheckpointError(
+                f"{where(name)}: tensor '{name}' has dtype {t.dtype}, expected "
+                f"{' or '.join(str(d) for d in kinds)} for {quant.name}"
+            )
+        return t
+
+    scale = fetch(f"{prefix}.weight_scale", FLOAT_SCALE_DTYPES).float()
+    if not torch.isfinite(scale).all() or (scale < 0).any():
+        raise CheckpointError(
+            f"{where(prefix + '.weight_scale')}: tensor '{prefix}.weight_scale' has negative or non-finite scales"
+        )
+    if quant.packed:
+        shape = fetch(f"{prefix}.weight_shape", (torch.int32, torch.int64)).tolist()
+        if shape != [n, k]:
+            raise CheckpointError(
+                f"{where(prefix + '.weight_shape')}: tensor '{prefix}.weight_shape' says {shape}, "
+                f"expected {[n, k]} from config.json"
+            )
+        q = unpack_int(fetch(f"{prefix}.weight_packed", (torch.int32,)), quant.bits, k)
+    else:
+        q = fetch(f"{prefix}.weight", (torch.int8,))
+        lo, hi = -(1 << (quant.bits - 1)), (1 << (quant.bits - 1)) - 1
+        if quant.bits < 8 and (q.min() < lo or q.max() > hi):
+            raise CheckpointError(
+                f"{where(prefix + '.weight')}: tensor '{prefix}.weight' holds values outside "
+                f"[{lo}, {hi}] for {quant.name}"
+            )
+    module.qweight = q.contiguous()
+    module.scales = scale.contiguous()
