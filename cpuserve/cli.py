@@ -189,13 +189,58 @@ def _cmd_bench_startup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpuserve.bench.perplexity import run_perplexity
+
+    def labelled(items: list[str]) -> dict[str, Path]:
+        pairs = [item.split("=", 1) if "=" in item else (Path(item).name, item) for item in items]
+        return {label: Path(path) for label, path in pairs}
+
+    print(
+        run_perplexity(
+            labelled(args.models),
+            labelled(args.gguf or []),
+            Path(args.text),
+            args.ctx,
+            args.dtype,
+            args.llamacpp_python,
+            torch.get_num_threads(),
+        )
+    )
+    return 0
+
+
+def _cmd_bench_export_gguf(args: argparse.Namespace) -> int:
+    from cpuserve.bench.gguf_export import export_gguf
+    from cpuserve.model.resolve import bundled_gguf, resolve_model
+
+    src = resolve_model(args.model, args.cache_dir)
+    export_gguf(src, Path(args.out), args.type, Path(args.tokenizer_gguf) if args.tokenizer_gguf else bundled_gguf())
+    log.info("wrote %s", args.out)
+    return 0
+
+
 def _cmd_bench_make_model(args: argparse.Namespace) -> int:
     from cpuserve.bench.make_model import make_model
     from cpuserve.model.resolve import resolve_model
 
-    if args.scheme != "bf16":
-        raise CpuserveError(f"--scheme {args.scheme}: only bf16 exists until quantized checkpoints land")
-    out = make_model(args.shape, Path(args.out_dir), resolve_model(None, args.cache_dir), args.seed, args.force)
+    tokenizer_dir = resolve_model(None, args.cache_dir)
+    out = Path(args.out_dir)
+    if args.scheme == "bf16":
+        make_model(args.shape, out, tokenizer_dir, args.seed, args.force)
+    else:
+        import tempfile
+
+        from cpuserve.quant.quantize import quantize_checkpoint
+
+        if out.exists() and not args.force:
+            raise CpuserveError(f"{out}: already exists (pass --force to replace it)")
+        with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+            bf16 = make_model(args.shape, Path(tmp) / "bf16", tokenizer_dir, args.seed)
+            group = args.group_size if args.scheme == "w4a8" else None
+            quantize_checkpoint(bf16, out, args.scheme, group, args.pack, force=args.force)
     log.info("wrote %s", out)
     return 0
 
@@ -212,7 +257,16 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     src = resolve_model(args.src, args.cache_dir)
     ignore = None if args.ignore is None else [i for part in args.ignore for i in part.split(",") if i]
-    out = quantize_checkpoint(src, Path(args.out_dir), args.scheme, args.group_size, args.pack, ignore, args.force)
+    out = quantize_checkpoint(
+        src,
+        Path(args.out_dir),
+        args.scheme,
+        args.group_size,
+        args.pack,
+        ignore,
+        args.force,
+        scale_method=args.scale_method,
+    )
     log.info("wrote %s", out)
     return 0
 
@@ -273,10 +327,27 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--repeats", type=int, default=3)
     bs.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
     bs.set_defaults(func=_cmd_bench_startup)
+    bp = bench_sub.add_parser("perplexity", help="perplexity of cpuserve models and llama.cpp GGUFs, one run")
+    bp.add_argument("models", nargs="+", help="HF directories, optionally LABEL=PATH; the first is the baseline")
+    bp.add_argument("--gguf", action="append", help="LABEL=FILE.gguf evaluated by llama.cpp on the same windows")
+    bp.add_argument("--llamacpp-python", default=None, help="a python with llama_cpp installed")
+    bp.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    bp.add_argument("--ctx", type=int, default=512)
+    bp.add_argument("--dtype", default="float32")
+    bp.set_defaults(func=_cmd_bench_perplexity)
+    bg = bench_sub.add_parser("export-gguf", help="an unquantized HF llama directory as a llama.cpp GGUF")
+    bg.add_argument("model", nargs="?", default=None)
+    bg.add_argument("out")
+    bg.add_argument("--type", default="q4_0", choices=["f16", "q8_0", "q4_0"])
+    bg.add_argument("--tokenizer-gguf", default=None, help="GGUF to copy tokenizer metadata from (default: bundled)")
+    bg.add_argument("--cache-dir", default=None)
+    bg.set_defaults(func=_cmd_bench_export_gguf)
     mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
     mm.add_argument("out_dir")
     mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")
-    mm.add_argument("--scheme", default="bf16", help="bf16 (w8a8 and w4a8 come with quantized checkpoints)")
+    mm.add_argument("--scheme", default="bf16", choices=["bf16", "w8a8", "w4a8"])
+    mm.add_argument("--group-size", type=int, default=128, help="w4a8 group size (default 128, as the seed)")
+    mm.add_argument("--pack", action="store_true", help="w4a8 as pack-quantized (as the reference image serves it)")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--force", action="store_true")
     mm.add_argument("--cache-dir", default=None)
@@ -293,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="modules left unquantized: names or re:patterns, comma-separated (default: lm_head)",
+    )
+    qz.add_argument(
+        "--scale-method",
+        default="mse",
+        choices=["mse", "minmax"],
+        help="mse: least-error scale per group (default); minmax: compressed-tensors' amax rule",
     )
     qz.add_argument("--force", action="store_true")
     qz.add_argument("--cache-dir", default=None)

@@ -65,10 +65,25 @@ def test_reference_forward_is_the_integer_contract(bits, group, k):
 
 def test_quantizer_is_round_to_nearest_with_the_compressed_tensors_scale():
     w = torch.tensor([[0.3, -0.9375, 0.1, 0.0]], dtype=torch.bfloat16)
-    q, scale = quantize_weight(w, WeightQuant(4, None, False))
+    q, scale = quantize_weight(w, WeightQuant(4, None, False), "minmax")
     assert scale.dtype == torch.bfloat16 and scale.item() == 0.9375 / 7.5  # amax / ((2^4 - 1) / 2), exact here
     expected = torch.clamp(torch.round(w.float() / scale.float()), -8, 7).to(torch.int8)
     assert torch.equal(q, expected) and q[0, 1].item() == -8
+
+
+def test_mse_scales_never_reconstruct_worse_than_minmax():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=gen) * 0.02
+    w[0, 5] = 0.3  # an outlier with a positive sign: minmax wastes half a step on it
+    for quant in (WeightQuant(4, 32, False), WeightQuant(4, 128, False), WeightQuant(8, None, False)):
+        errs = {}
+        for method in ("minmax", "mse"):
+            q, s = quantize_weight(w, quant, method)
+            g = quant.group_size or 256
+            recon = (q.float().view(64, -1, g) * s.float().unsqueeze(-1)).view(64, 256)
+            errs[method] = ((recon - w) ** 2).view(64, -1, g).sum(-1)
+        assert (errs["mse"] <= errs["minmax"] + 1e-12).all(), quant
+        assert errs["mse"].sum() < errs["minmax"].sum(), quant
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,30 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order from HF's (the inverse of unpermute_rope)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str | None:
+    """The llama GGUF tensor name for an HF tensor name (inverse of hf_name)."""
+    for g, h in _GLOBAL_NAMES.items():
+        if h == hf:
+            return g
+    parts = hf.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for g, h in _LAYER_NAMES.items():
+            if h == parts[3]:
+                return f"blk.{parts[2]}.{g}"
+    return None
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """A GGUF reader, or one clear CheckpointError for a missing, corrupt or truncated file."""
+    return _open(path)
+
+
 def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found (expected a .gguf file)")

@@ -1,7 +1,8 @@
 """`cpuserve quantize`: round-to-nearest symmetric quantization of a bf16/fp16/fp32 checkpoint into
 a compressed-tensors checkpoint, written with the same conventions llm-compressor uses (so vLLM
-could load it): scale = amax / ((2^bits - 1) / 2), q = clamp(round(w / scale), -2^(bits-1),
-2^(bits-1) - 1), scales stored in bf16 and q computed from the stored scale.
+could load it): q = clamp(round(w / scale), -2^(bits-1), 2^(bits-1) - 1), scales stored in bf16 and
+q computed from the stored scale. The scale is compressed-tensors' amax / ((2^bits - 1) / 2)
+(`minmax`) or, by default, the error-minimising one among a few candidates (`mse`).
 """
 
 from __future__ import annotations
@@ -32,16 +33,45 @@ COPIED_FILES = (
 SCHEMES = {"w4a8": 4, "w8a8": 8}
 
 
-def quantize_weight(w: torch.Tensor, quant: WeightQuant) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values [N, K] and bf16 scales [N, G] for a float weight [N, K]."""
+def quantize_weight(w: torch.Tensor, quant: WeightQuant, method: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values [N, K] and bf16 scales [N, G] for a float weight [N, K].
+
+    minmax: compressed-tensors' rule, scale = amax / ((2^bits - 1) / 2).
+    mse: per group, the scale among candidates around amax / 2^(bits-1), either sign, whose
+    round-to-nearest reconstruction error is smallest; a negative scale lets the largest-magnitude
+    weight land exactly on -2^(bits-1) whichever its sign (as llama.cpp's Q4_0 does). Still
+    symmetric round-to-nearest: w ~ q * s.
+    """
     n, k = w.shape
     g = quant.group_size or k
     wf = w.float().view(n, k // g, g)
     qmax, qmin = (1 << (quant.bits - 1)) - 1, -(1 << (quant.bits - 1))
-    scale = (wf.abs().amax(dim=-1) / ((2**quant.bits - 1) / 2)).to(torch.bfloat16)
-    safe = scale.float().clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    q = torch.round(wf / safe).clamp(qmin, qmax).to(torch.int8).view(n, k)
-    return q, scale
+    amax = wf.abs().amax(dim=-1)
+    if method == "minmax":
+        candidates = [amax / ((2**quant.bits - 1) / 2)]
+    elif method == "mse":
+        # Signed max: the value of largest magnitude, with its sign.
+        idx = wf.abs().argmax(dim=-1, keepdim=True)
+        signed_max = wf.gather(-1, idx).squeeze(-1)
+        candidates = [amax / ((2**quant.bits - 1) / 2)]
+        for d in torch.linspace(-0.5, 1.0, 7).tolist():
+            candidates.append(signed_max / (qmin - d))  # negative qmin: maps the extreme near -2^(bits-1)
+    else:
+        raise ConfigError(f"--scale-method {method!r}: expected mse or minmax")
+    best_q, best_scale, best_err = None, None, None
+    for cand in candidates:
+        scale = cand.to(torch.bfloat16)
+        safe = torch.where(scale.float().abs() < 1e-30, torch.ones_like(scale.float()), scale.float()).unsqueeze(-1)
+        q = torch.round(wf / safe).clamp(qmin, qmax)
+        err = ((q * safe - wf) ** 2).sum(dim=-1)
+        if best_err is None:
+            best_q, best_scale, best_err = q, scale, err
+        else:
+            better = err < best_err
+            best_q = torch.where(better.unsqueeze(-1), q, best_q)
+            best_scale = torch.where(better, scale, best_scale)
+            best_err = torch.minimum(err, best_err)
+    return best_q.to(torch.int8).view(n, k), best_scale
 
 
 def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]:
@@ -99,6 +129,7 @@ def quantize_checkpoint(
     ignore: list[str] | None = None,
     force: bool = False,
     progress: bool = True,
+    scale_method: str = "mse",
 ) -> Path:
     if scheme not in SCHEMES:
         raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
@@ -135,7 +166,7 @@ def quantize_checkpoint(
             module = name.removesuffix(".weight")
             tensor = ckpt.get(name)
             if name.endswith(".weight") and module in targets:
-                q, scale = quantize_weight(tensor, quant)
+                q, scale = quantize_weight(tensor, quant, scale_method)
                 if quant.packed:
                     writer.add(f"{module}.weight_packed", pack_int(q, quant.bits))
                     writer.add(f"{module}.weight_shape", torch.tensor(list(q.shape), dtype=torch.int64))

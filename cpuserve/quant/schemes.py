@@ -131,9 +131,9 @@ def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # typ
         return t
 
     scale = fetch(f"{prefix}.weight_scale", FLOAT_SCALE_DTYPES).float()
-    if not torch.isfinite(scale).all() or (scale < 0).any():
+    if not torch.isfinite(scale).all():  # negative scales are fine: w = q * s either way
         raise CheckpointError(
-            f"{where(prefix + '.weight_scale')}: tensor '{prefix}.weight_scale' has negative or non-finite scales"
+            f"{where(prefix + '.weight_scale')}: tensor '{prefix}.weight_scale' has non-finite scales"
         )
     if quant.packed:
         shape = fetch(f"{prefix}.weight_shape", (torch.int32, torch.int64)).tolist()
