@@ -32,23 +32,31 @@ def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, di
     compute = resolve_dtype(dtype, spec)
     elem = torch.empty((), dtype=compute).element_size()
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        params = sum(int(torch.Size(ckpt.shape(n)).numel()) for n in ckpt.names())
+        params, weight_bytes = 0, 0
+        for n in ckpt.names():
+            count = int(torch.Size(ckpt.shape(n)).numel())
+            stored = ckpt.stored_dtype(n)
+            if stored in FLOAT_DTYPES:
+                weight_bytes += count * (4 if n.endswith("weight_scale") else elem)
+                params += 0 if n.endswith("weight_scale") else count
+            elif not n.endswith("weight_shape"):  # int8 values, or int32 words of packed values
+                weight_bytes += count * INT_BYTES.get(stored, 1)
+                params += count * (32 // _bits(spec, n) if stored == "I32" else 1)
         dtypes = sorted({str(ckpt.stored_dtype(n)) for n in ckpt.names()})
         files = sorted({ckpt.file_of(n).name for n in ckpt.names()})
     facts = {
         "path": str(model_dir),
         "architecture": spec.architecture,
         "format": f"HF safetensors ({len(files)} file{'s' * (len(files) > 1)}, stored as {', '.join(dtypes)})",
-        "scheme": f"unquantized, computed in {str(compute).removeprefix('torch.')}",
+        "scheme": _scheme(spec, compute),
         "layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
         "parameters": params,
-        "weights_bytes": params * elem,
+        "weights_bytes": weight_bytes,
         "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem,
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {
-            "linear (q/k/v/o, gate/up/down, lm_head)": f"torch matmul, {str(compute).removeprefix('torch.')} "
-            "(reference path; native int8 kernels not built yet)",
+            "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(spec, compute),
             "attention": "torch scaled_dot_product_attention",
             "norm, rope, activation": "torch",
         },
@@ -78,6 +86,42 @@ def plan_model_memory(
         max_num_batched_tokens=max_num_batched_tokens,
         activation_bytes_per_token=activation,
     )
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+INT_BYTES = {"I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+def _bits(spec: ModelSpec, tensor: str) -> int:
+    from cpuserve.quant.config import QuantConfig
+
+    quant = QuantConfig.from_hf(spec.quantization_config or {}, "config.json").scheme_for(tensor.rsplit(".", 1)[0])
+    return quant.bits if quant else 8
+
+
+def _scheme(spec: ModelSpec, compute: torch.dtype) -> str:
+    dense = str(compute).removeprefix("torch.")
+    if spec.quantization_config is None:
+        return f"unquantized, computed in {dense}"
+    from cpuserve.quant.config import QuantConfig
+
+    qc = QuantConfig.from_hf(spec.quantization_config, "config.json")
+    names = sorted({g.weight.name for g in qc.groups})
+    return f"compressed-tensors {', '.join(names)}, int8 per-token activations; the rest in {dense}"
+
+
+def _linear_kernels(spec: ModelSpec, compute: torch.dtype) -> str:
+    dense = f"torch matmul, {str(compute).removeprefix('torch.')}"
+    if spec.quantization_config is None:
+        return dense
+    from cpuserve.kernels import native, selected_variant
+    from cpuserve.quant.config import QuantConfig
+
+    qc = QuantConfig.from_hf(spec.quantization_config, "config.json")
+    schemes = sorted({q.name for g in qc.groups for q in [g.weight]})
+    variant = selected_variant()
+    runs = f"native {variant}" if variant != "reference" and native() is not None else "pure-torch reference"
+    return f"{', '.join(schemes)}: {runs}; unquantized ones ({', '.join(qc.ignore) or 'none'}): {dense}"
 
 
 def build_report(

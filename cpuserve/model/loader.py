@@ -15,7 +15,7 @@ from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import ModelSpec, load_spec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.quant.config import QuantConfig
-from cpuserve.quant.schemes import QuantLinear, expected_tensors, load_quantized
+from cpuserve.quant.schemes import QuantLinear, expected_tensors, load_quantized, use_native_kernels
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     model.eval()
+    if quantized:
+        log.info("quantized linears: %s", use_native_kernels(model))
     log.info(
         "loaded %s from %s: %d layers, hidden %d, %s",
         spec.architecture,

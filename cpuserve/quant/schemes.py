@@ -48,8 +48,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp(-127, 127), scale
 
 
+def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The native int4 layout (uint8 [N, K/2], 16 bytes per 32 values) back to int8 [N, K]."""
+    b = packed.view(packed.shape[0], k // 32, 16)
+    lo, hi = (b & 0x0F).to(torch.int8) - 8, (b >> 4).to(torch.int8) - 8
+    return torch.cat((lo, hi), dim=-1).view(packed.shape[0], k)
+
+
 class QuantLinear(nn.Module):
-    """A Linear whose weight is quantized; forward is the scheme's (reference, for now)."""
+    """A Linear whose weight is quantized. `use_native` repacks it for a native kernel variant;
+    otherwise (or with CPUSERVE_ISA=reference) forward is the scheme's pure-torch reference."""
 
     def __init__(self, in_features: int, out_features: int, quant: WeightQuant, bias: bool) -> None:
         super().__init__()
@@ -58,15 +66,56 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.native = None  # the kernel module, once use_native() succeeded
+        self.variant = "reference"
+        self.packed: torch.Tensor | None = None  # int4 in the kernel's nibble layout
+
+    def use_native(self, kernels, variant: str) -> bool:  # type: ignore[no-untyped-def]
+        """Switch to a native variant when the shapes fit it; the int4 weight is repacked (and the
+        int8 copy dropped: `int_weight()` rebuilds it for the reference)."""
+        group = self.quant.group_size or self.in_features
+        if self.in_features % 32 or group % 32:
+            return False
+        if self.quant.bits == 4:
+            self.packed = kernels.pack_int4(self.qweight)
+            self.qweight = None
+        self.native, self.variant = kernels, variant
+        return True
+
+    def int_weight(self) -> torch.Tensor:
+        return self.qweight if self.qweight is not None else unpack_nibbles(self.packed, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reference_forward(x, self.qweight, self.scales, self.bias)
+        if self.native is None:
+            return reference_forward(x, self.int_weight(), self.scales, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.quant.bits == 4:
+            y = self.native.w4a8_linear(x2, self.packed, self.scales, self.bias, self.variant)
+        else:
+            y = self.native.w8a8_linear(x2, self.qweight, self.scales.view(-1), self.bias, self.variant)
+        return y.view(*lead, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         g = self.in_features // self.scales.shape[1]
-        return (self.qweight.float().view(self.out_features, -1, g) * self.scales.unsqueeze(-1)).view(
+        return (self.int_weight().float().view(self.out_features, -1, g) * self.scales.unsqueeze(-1)).view(
             self.out_features, self.in_features
         )
+
+
+def use_native_kernels(model: nn.Module) -> str:
+    """Route every QuantLinear to the selected native variant; returns what runs (for the log)."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not quantized:
+        return "none"
+    from cpuserve.kernels import native, selected_variant
+
+    variant = selected_variant()
+    kernels = native() if variant != "reference" else None
+    if kernels is None:
+        return "reference (pure torch)"
+    done = sum(m.use_native(kernels, variant) for m in quantized)
+    return f"native {variant} ({done}/{len(quantized)} layers; the rest reference)"
 
 
 @torch.inference_mode()

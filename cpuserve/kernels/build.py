@@ -1,0 +1,62 @@
+"""Build the native kernels into the package (`python -m cpuserve.kernels.build`), keyed by a hash
+of the sources and the torch version, so an unchanged build is skipped in milliseconds. The
+library lives next to this file: nothing depends on an absolute path."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "csrc" / "qlinear.cpp"]
+BUILD_DIR = HERE / "_build"
+
+
+def _key() -> str:
+    import importlib.metadata
+    import platform
+
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(importlib.metadata.version("torch").encode())
+    h.update(platform.machine().encode())
+    return h.hexdigest()[:16]
+
+
+def library_name() -> str:
+    return f"cpuserve_kernels_{_key()}"
+
+
+def built_library() -> Path | None:
+    matches = sorted((BUILD_DIR / library_name()).glob(f"{library_name()}*.so"))
+    return matches[0] if matches else None
+
+
+def build(verbose: bool = False) -> Path:
+    existing = built_library()
+    if existing is not None:
+        return existing
+    from torch.utils.cpp_extension import load
+
+    out = BUILD_DIR / library_name()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"[setup] compiling native kernels into {out.relative_to(HERE.parent.parent)} (once)", file=sys.stderr)
+    load(
+        name=library_name(),
+        sources=[str(s) for s in SOURCES],
+        build_directory=str(out),
+        # torch's own libgomp has the same soname, so the loader reuses it: one OpenMP runtime.
+        extra_cflags=["-O3", "-fopenmp", "-Wall"],
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
+    path = built_library()
+    if path is None:
+        raise RuntimeError(f"the kernel build produced no library in {out}")
+    return path
+
+
+if __name__ == "__main__":
+    print(build(verbose="--verbose" in sys.argv))

@@ -1,0 +1,100 @@
+"""Native kernels: every variant this CPU runs against its scalar twin (bit-identical: the integer
+math is exact and the float epilogue is shared) and against the scheme's pure-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpuserve.kernels import native, runnable_variants
+from cpuserve.quant.config import WeightQuant
+from cpuserve.quant.quantize import quantize_weight
+from cpuserve.quant.schemes import QuantLinear, reference_forward, unpack_nibbles
+
+REL_BUDGET = 2e-6  # vs the reference: float epilogue order only (the integer sums are exact)
+MS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 64, 65, 100, 130]
+SHAPES = [(1, 128), (7, 576), (96, 1536), (130, 4096)]  # (N, K)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native()
+    assert module is not None, "native kernels are not built: ./run setup builds them"
+    return module
+
+
+def test_this_machine_runs_at_least_one_simd_variant(kernels):
+    variants = runnable_variants()
+    assert variants[0] == "generic" and len(variants) >= 2, variants  # every x86-64 here has AVX2
+    print("variants run here:", variants)
+
+
+def _weights(bits, group, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q, s = quantize_weight(w, WeightQuant(bits, group, False))
+    return q, s.float()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("group", [32, 64, 128, None])
+def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
+    if group and k % group:
+        pytest.skip("group does not divide K")
+    q, s = _weights(4, group, n, k, n + k)
+    packed = kernels.pack_int4(q)
+    assert torch.equal(unpack_nibbles(packed, k), q)
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(n, generator=gen)
+    for m in MS:
+        x = torch.randn(m, k, generator=gen) * 2
+        twin = kernels.w4a8_linear(x, packed, s, bias, "generic")
+        ref = reference_forward(x, q, s, bias)
+        assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k, group)
+        for variant in runnable_variants()[1:]:
+            assert torch.equal(kernels.w4a8_linear(x, packed, s, bias, variant), twin), (variant, m, n, k, group)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_w8a8_variants_equal_the_twin_and_the_reference(kernels, n, k):
+    q, s = _weights(8, None, n, k, n * k)
+    gen = torch.Generator().manual_seed(2)
+    for m in MS:
+        x = torch.randn(m, k, generator=gen) * 2
+        twin = kernels.w8a8_linear(x, q, s.view(-1), None, "generic")
+        ref = reference_forward(x, q, s, None)
+        assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k)
+        for variant in runnable_variants()[1:]:
+            assert torch.equal(kernels.w8a8_linear(x, q, s.view(-1), None, variant), twin), (variant, m, n, k)
+
+
+def test_bf16_activations_in_and_out(kernels):
+    q, s = _weights(4, 64, 64, 576, 5)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    out = kernels.w4a8_linear(x, kernels.pack_int4(q), s, None, runnable_variants()[-1])
+    assert out.dtype == torch.bfloat16
+    ref = reference_forward(x.float(), q, s, None)
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("scheme,group", [("w8a8", None), ("w4a8", 64)])
+def test_model_greedy_tokens_native_equal_reference(smol_dir, tmp_path, monkeypatch, scheme, group):
+    """32 greedy tokens of the bundled model: native kernels against the pure-torch reference."""
+    from cpuserve.generate import SimpleSampling, generate_ids
+    from cpuserve.kernels import selected_variant
+    from cpuserve.model.loader import load_model
+    from cpuserve.quant.quantize import quantize_checkpoint
+    from cpuserve.tokenizer import Tokenizer
+
+    path = quantize_checkpoint(smol_dir, tmp_path / scheme, scheme, group, progress=False)
+    ids = Tokenizer(smol_dir).encode("The history of the printing press begins")
+    outputs = {}
+    for isa in ("reference", runnable_variants()[-1]):
+        monkeypatch.setenv("CPUSERVE_ISA", isa)
+        selected_variant.cache_clear()
+        model = load_model(path, "float32")
+        kinds = {m.variant for m in model.modules() if isinstance(m, QuantLinear)}
+        assert kinds == {isa}, kinds
+        outputs[isa] = list(generate_ids(model, ids, SimpleSampling(max_tokens=32)))
+    selected_variant.cache_clear()
+    assert outputs["reference"] == outputs[runnable_variants()[-1]]
