@@ -222,6 +222,32 @@ def _cmd_bench_export_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_speed(args: argparse.Namespace) -> int:
+    from cpuserve.bench.speed import run_speed
+    from cpuserve.doctor import model_facts
+    from cpuserve.model.gguf_convert import open_gguf
+
+    pairs, weight_bytes = [], {}
+    for item in args.pair:
+        try:
+            ours, theirs = item.split(",", 1)
+            ours_label, ours_dir = ours.split("=", 1)
+            theirs_label, gguf = theirs.split("=", 1)
+        except ValueError:
+            raise CpuserveError(f"--pair {item!r}: expected LABEL=DIR,LABEL=FILE.gguf") from None
+        spec, _, facts = model_facts(Path(ours_dir), "auto")
+        embedding = spec.vocab_size * spec.hidden_size * 2 if not spec.tie_word_embeddings else 0
+        weight_bytes[ours_label] = facts["weights_bytes"] - embedding  # a token reads one embedding row
+        reader = open_gguf(Path(gguf))
+        tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
+        weight_bytes[theirs_label] = sum(tensors.values()) - (
+            tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+        )
+        pairs.append((ours_label, Path(ours_dir), theirs_label, Path(gguf)))
+    print(run_speed(pairs, args.llamacpp_python, args.threads, args.prompt, args.decode, args.repeats, weight_bytes))
+    return 0
+
+
 def _cmd_bench_make_model(args: argparse.Namespace) -> int:
     from cpuserve.bench.make_model import make_model
     from cpuserve.model.resolve import resolve_model
@@ -342,6 +368,16 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--tokenizer-gguf", default=None, help="GGUF to copy tokenizer metadata from (default: bundled)")
     bg.add_argument("--cache-dir", default=None)
     bg.set_defaults(func=_cmd_bench_export_gguf)
+    bsp = bench_sub.add_parser("speed", help="cpuserve against llama.cpp on the same weights, side by side")
+    bsp.add_argument(
+        "--pair", action="append", required=True, help="LABEL=CPUSERVE_DIR,LABEL=LLAMACPP.gguf (repeatable)"
+    )
+    bsp.add_argument("--llamacpp-python", required=True, help="a python with llama-cpp-python installed")
+    bsp.add_argument("--threads", type=int, default=2)
+    bsp.add_argument("--prompt", type=int, default=512)
+    bsp.add_argument("--decode", type=int, default=64)
+    bsp.add_argument("--repeats", type=int, default=3)
+    bsp.set_defaults(func=_cmd_bench_speed)
     mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
     mm.add_argument("out_dir")
     mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")

@@ -25,8 +25,8 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
 
 
 def export_gguf(model_dir: Path, out: Path, qtype: str, tokenizer_gguf: Path) -> Path:
-    """Linear weights in `qtype`; token embedding in Q8_0 when quantized (as llama-quantize keeps a
-    tied embedding at 8 bits or more), norms in F32."""
+    """Linear weights in `qtype`; token embedding and output head in Q8_0 when quantized (llama-quantize
+    keeps them at 6 bits or more: Q6_K), norms in F32."""
     if qtype not in TYPES:
         raise CpuserveError(f"{qtype}: expected one of {', '.join(TYPES)}")
     spec = load_spec(model_dir)
@@ -73,8 +73,8 @@ def export_gguf(model_dir: Path, out: Path, qtype: str, tokenizer_gguf: Path) ->
                 w.add_tensor(target, data.astype(np.float32))
                 continue
             kind = TYPES[qtype]
-            if target == "token_embd.weight" and qtype != "f16":
-                kind = gguf.GGMLQuantizationType.Q8_0
+            if target in ("token_embd.weight", "output.weight") and qtype != "f16":
+                kind = gguf.GGMLQuantizationType.Q8_0  # llama-quantize keeps these at >= 6 bits too
             if kind == gguf.GGMLQuantizationType.F16:
                 w.add_tensor(target, data.astype(np.float16))
             else:

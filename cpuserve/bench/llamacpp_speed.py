@@ -1,0 +1,42 @@
+"""llama.cpp's single-stream speed through llama-cpp-python (run by the peer's Python; imports nothing
+from cpuserve). Same measurements as speed_worker.py. Prints JSON.
+
+    python llamacpp_speed.py MODEL.gguf PROMPT_TOKENS DECODE_TOKENS THREADS
+"""
+
+import json
+import resource
+import sys
+import time
+
+from llama_cpp import Llama
+
+
+def main() -> None:
+    path, prompt_tokens, decode_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    start = time.perf_counter()
+    llm = Llama(
+        model_path=path,
+        n_ctx=prompt_tokens + decode_tokens + 8,
+        n_batch=prompt_tokens,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    result = {"load_s": time.perf_counter() - start}
+    ids = list(range(100, 100 + prompt_tokens))
+    for n in (128, prompt_tokens):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids[:n])
+        result[f"pp{n}"] = n / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(decode_tokens):
+        llm.eval([7])
+    result["tg"] = decode_tokens / (time.perf_counter() - t)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""One engine's single-stream speed, in its own process (so peak RSS is its own). Prints JSON.
+
+python -m cpuserve.bench.speed_worker MODEL_DIR PROMPT_TOKENS DECODE_TOKENS
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    model_dir, prompt_tokens, decode_tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    start = time.perf_counter()
+    import torch
+
+    from cpuserve.model.loader import load_model
+
+    model = load_model(model_dir, "auto")
+    load_s = time.perf_counter() - start
+    ids = torch.arange(100, 100 + prompt_tokens).unsqueeze(0)
+    result = {"load_s": load_s}
+    for n in (128, prompt_tokens):
+        cache = model.new_cache(1, n + decode_tokens + 1)
+        t = time.perf_counter()
+        hidden = model.hidden_states(ids[:, :n], cache)
+        model.logits(hidden[:, -1])
+        result[f"pp{n}"] = n / (time.perf_counter() - t)
+    token = torch.tensor([[7]])
+    t = time.perf_counter()
+    for _ in range(decode_tokens):
+        token = model.logits(model.hidden_states(token, cache)[:, -1]).argmax(-1, keepdim=True)
+    result["tg"] = decode_tokens / (time.perf_counter() - t)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
