@@ -1,5 +1,6 @@
-"""Native kernels: every variant this CPU runs against its scalar twin (bit-identical: the integer
-math is exact and the float epilogue is shared) and against the scheme's pure-torch reference."""
+"""Native kernels: every variant this CPU runs against its scalar twin and against the scheme's
+pure-torch reference. The integer sums are exact everywhere; W8A8 shares its float epilogue (so
+variants are bit-identical), W4A8's SIMD variants add the per-group products in vector lanes."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
         ref = reference_forward(x, q, s, bias)
         assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k, group)
         for variant in runnable_variants()[1:]:
-            assert torch.equal(kernels.w4a8_linear(x, packed, s, bias, variant), twin), (variant, m, n, k, group)
+            got = kernels.w4a8_linear(x, packed, s, bias, variant)
+            assert (got - twin).abs().max().item() <= REL_BUDGET * twin.abs().max().item() + 1e-6, (variant, m, n)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)

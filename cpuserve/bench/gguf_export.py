@@ -47,8 +47,14 @@ def export_gguf(model_dir: Path, out: Path, qtype: str, tokenizer_gguf: Path) ->
     w.add_file_type({"f16": 1, "q8_0": 7, "q4_0": 2}[qtype])
     w.add_tokenizer_model(meta["tokenizer.ggml.model"])
     w.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    if len(tokens) > spec.vocab_size:
+        raise CpuserveError(f"{tokenizer_gguf}: {len(tokens)} tokens for a model of {spec.vocab_size}")
+    padding = spec.vocab_size - len(tokens)  # random-weight models pad the bundled vocabulary
+    tokens += [f"<|cpuserve_pad_{i}|>" for i in range(padding)]
+    types += [5] * padding  # UNUSED
+    w.add_token_list(tokens)
+    w.add_token_types(types)
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     for key, add in (
         ("bos", w.add_bos_token_id),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import ModelSpec, load_spec
 from cpuserve.model.decoder import CausalLM
-from cpuserve.quant.config import QuantConfig
+from cpuserve.quant.config import QuantConfig, WeightQuant
 from cpuserve.quant.schemes import QuantLinear, expected_tensors, load_quantized, use_native_kernels
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,25 @@ def quantize_modules(model: CausalLM, spec: ModelSpec, source: str) -> dict[str,
     return swapped
 
 
-def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> CausalLM:
+def _quantize_lm_head(model: CausalLM, kind: str) -> None:
+    """Opt-in: the output head as W8A8 (int8 per channel, int8 per-token activations). It halves the
+    bytes a decode step reads for a bf16 head; logits move by the quantization error."""
+    if kind != "int8":
+        raise ConfigError(f"--quantize-lm-head {kind!r}: only int8 is supported")
+    from cpuserve.quant.quantize import quantize_weight
+
+    head = model.lm_head
+    quant = WeightQuant(bits=8, group_size=None, packed=False)
+    q, scale = quantize_weight(head.weight, quant)
+    new = QuantLinear(head.in_features, head.out_features, quant, bias=False)
+    new.qweight, new.scales = q, scale.float()
+    model.lm_head = new
+    log.info("lm_head quantized to int8 (W8A8): logits carry its rounding error")
+
+
+def load_model(
+    model_dir: Path, dtype: str = "auto", progress: bool = False, quantize_lm_head: str | None = None
+) -> CausalLM:
     """Load config and weights; raise CheckpointError naming the tensor on any mismatch."""
     spec = load_spec(model_dir)
     torch_dtype = resolve_dtype(dtype, spec)
@@ -121,6 +140,10 @@ def load_model(model_dir: Path, dtype: str = "auto", progress: bool = False) -> 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     model.eval()
+    lm_head = quantize_lm_head if quantize_lm_head is not None else os.environ.get("CPUSERVE_QUANTIZE_LM_HEAD")
+    if lm_head:
+        _quantize_lm_head(model, lm_head)
+        quantized["lm_head"] = model.lm_head
     if quantized:
         log.info("quantized linears: %s", use_native_kernels(model))
     log.info(

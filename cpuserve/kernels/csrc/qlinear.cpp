@@ -2,8 +2,8 @@
 //
 // Each inner product has a scalar "generic" twin; SIMD variants (AVX2, AVX-512 VNNI) are compiled
 // with function-level target attributes and chosen at run time by name. The integer accumulation is
-// exact in every variant and the float epilogue is one shared piece of code, so all variants give
-// bit-identical outputs. Work is split over output channels with at::parallel_for: torch's own
+// exact in every variant; W8A8's float epilogue is shared (bit-identical across variants), W4A8's
+// SIMD variants sum the per-group products in vector lanes (equal to the twin within float rounding). Work is split over output channels with at::parallel_for: torch's own
 // (pinned) thread pool, no second runtime.
 //
 // Int4 layout (repacked at load): per row, per 32-element block, 16 bytes; byte j holds
@@ -26,7 +26,6 @@
 namespace {
 
 using DotI8 = int32_t (*)(const int8_t*, const int8_t*, int64_t);
-using DotU4 = int32_t (*)(const int8_t*, const uint8_t*, int64_t);
 
 // ---------------------------------------------------------------- generic (scalar) twins
 int32_t dot_i8_generic(const int8_t* a, const int8_t* w, int64_t k) {
@@ -74,21 +73,6 @@ __attribute__((target("avx2,fma"))) int32_t dot_i8_avx2(const int8_t* a, const i
   return total;
 }
 
-__attribute__((target("avx2,fma"))) int32_t dot_u4_avx2(const int8_t* a, const uint8_t* w, int64_t len) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m256i acc = _mm256_setzero_si256();
-  for (int64_t b = 0; b < len / 32; ++b) {
-    __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-    __m128i lo = _mm_and_si128(packed, low);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-    __m256i u = _mm256_set_m128i(hi, lo);
-    __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + b * 32));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, va), ones));
-  }
-  return hsum_i32_avx2(acc);
-}
-
 // ---------------------------------------------------------------- AVX-512 VNNI
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 __attribute__((target(VNNI_TARGET))) int32_t dot_i8_vnni(const int8_t* a, const int8_t* w, int64_t k) {
@@ -107,36 +91,76 @@ __attribute__((target(VNNI_TARGET))) int32_t dot_i8_vnni(const int8_t* a, const 
   return total;
 }
 
-__attribute__((target(VNNI_TARGET))) int32_t dot_u4_vnni(const int8_t* a, const uint8_t* w, int64_t len) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m512i acc = _mm512_setzero_si512();
-  int64_t b = 0;
-  for (; b + 2 <= len / 32; b += 2) {  // two 32-blocks: 32 bytes of nibbles, 64 activations
-    __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
-    __m256i lo = _mm256_and_si256(packed, low);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-    // block 0: lo[0:16], hi[0:16]; block 1: lo[16:32], hi[16:32]
-    __m256i b0 = _mm256_permute2x128_si256(lo, hi, 0x20);
-    __m256i b1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
-    acc = _mm512_dpbusd_epi32(acc, u, _mm512_loadu_si512(a + b * 32));
+#endif
+
+// One output of W4A8 before the -8 correction and the activation scale: sum_g s_g * dot_g(u, a).
+using RowU4 = float (*)(const int8_t*, const uint8_t*, const float*, int64_t, int64_t);
+
+float row_u4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+  float y = 0.f;
+  for (int64_t g = 0; g < groups; ++g) y += float(dot_u4_generic(a + g * group, w + g * group / 2, group)) * s[g];
+  return y;
+}
+
+#if defined(__x86_64__)
+// Per group: integer multiply-adds into one vector, converted and FMA'd with the group scale into a
+// float vector; a single horizontal sum per output.
+__attribute__((target("avx2,fma"))) float row_u4_avx2(const int8_t* a, const uint8_t* w, const float* s,
+                                                      int64_t groups, int64_t group) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 facc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * group / 2;
+    const int8_t* ag = a + g * group;
+    for (int64_t b = 0; b < group / 32; ++b) {
+      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + b * 16));
+      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+      __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + b * 32));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, va), ones));
+    }
+    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s[g]), facc);
   }
-  int32_t total = _mm512_reduce_add_epi32(acc);
-  if (b < len / 32) total += dot_u4_avx2(a + b * 32, w + b * 16, 32);
-  return total;
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(facc), _mm256_extractf128_ps(facc, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+__attribute__((target(VNNI_TARGET))) float row_u4_vnni(const int8_t* a, const uint8_t* w, const float* s,
+                                                       int64_t groups, int64_t group) {
+  if (group % 64) return row_u4_avx2(a, w, s, groups, group);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m512 facc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc = _mm512_setzero_si512();
+    const uint8_t* wg = w + g * group / 2;
+    const int8_t* ag = a + g * group;
+    for (int64_t b = 0; b < group / 32; b += 2) {
+      __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 16));
+      __m256i lo = _mm256_and_si256(packed, low);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                     _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      acc = _mm512_dpbusd_epi32(acc, u, _mm512_loadu_si512(ag + b * 32));
+    }
+    facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s[g]), facc);
+  }
+  return _mm512_reduce_add_ps(facc);
 }
 #endif
 
 struct Variant {
   DotI8 dot_i8;
-  DotU4 dot_u4;
+  RowU4 row_u4;
 };
 
 Variant variant_by_name(const std::string& name) {
-  if (name == "generic") return {dot_i8_generic, dot_u4_generic};
+  if (name == "generic") return {dot_i8_generic, row_u4_generic};
 #if defined(__x86_64__)
-  if (name == "avx2") return {dot_i8_avx2, dot_u4_avx2};
-  if (name == "avx512_vnni") return {dot_i8_vnni, dot_u4_vnni};
+  if (name == "avx2") return {dot_i8_avx2, row_u4_avx2};
+  if (name == "avx512_vnni") return {dot_i8_vnni, row_u4_vnni};
 #endif
   TORCH_CHECK(false, "cpuserve kernels: unknown or unsupported variant '", name, "'");
 }
@@ -223,13 +247,12 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const uint8_t* row = pw + c * (k / 2);
+      const float* srow = sw + c * groups;
       for (int64_t r = 0; r < m; ++r) {
-        float y = 0.f;
-        for (int64_t g = 0; g < groups; ++g) {
-          const int32_t acc = v.dot_u4(qa + r * k + g * group, row + g * group / 2, group) - 8 * gs[r * groups + g];
-          y += float(acc) * sw[c * groups + g];
-        }
-        o[r * n + c] = y * sap[r];
+        // sum_g s_g * (dot_g(u, a) - 8 * sum_g(a)): the correction is a short scalar dot product.
+        float correction = 0.f;
+        for (int64_t g = 0; g < groups; ++g) correction += srow[g] * float(gs[r * groups + g]);
+        o[r * n + c] = (v.row_u4(qa + r * k, row, srow, groups, group) - 8.f * correction) * sap[r];
       }
     }
   });
