@@ -67,6 +67,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantize-lm-head", default=None, choices=["int8"],
+                   help="opt-in: the output head as W8A8 (faster decode; logits carry int8 rounding)")
     # Accepted, no effect here (see NO_EFFECT).
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--distributed-executor-backend", default=None)
@@ -142,6 +144,8 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     from cpuserve.server.app import ServerConfig, create_app
 
     model_dir = resolve_model(args.model, args.cache_dir)
+    if args.quantize_lm_head:
+        os.environ["CPUSERVE_QUANTIZE_LM_HEAD"] = args.quantize_lm_head  # read by the loader
     _, _, facts = model_facts(model_dir, args.dtype)
     config = EngineConfig(
         max_model_len=args.max_model_len,
