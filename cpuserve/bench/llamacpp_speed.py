@@ -5,7 +5,6 @@ from cpuserve). Same measurements as speed_worker.py. Prints JSON.
 """
 
 import json
-import resource
 import sys
 import time
 
@@ -34,7 +33,9 @@ def main() -> None:
     for _ in range(decode_tokens):
         llm.eval([7])
     result["tg"] = decode_tokens / (time.perf_counter() - t)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss starts from the parent's peak.
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     print(json.dumps(result))
 
 

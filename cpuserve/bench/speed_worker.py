@@ -6,7 +6,6 @@ python -m cpuserve.bench.speed_worker MODEL_DIR PROMPT_TOKENS DECODE_TOKENS
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,9 @@ def main() -> None:
     for _ in range(decode_tokens):
         token = model.logits(model.hidden_states(token, cache)[:, -1]).argmax(-1, keepdim=True)
     result["tg"] = decode_tokens / (time.perf_counter() - t)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss starts from the parent's peak.
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     print(json.dumps(result))
 
 
