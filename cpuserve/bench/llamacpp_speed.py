@@ -7,6 +7,7 @@ from cpuserve). Same measurements as speed_worker.py. Prints JSON.
 import json
 import sys
 import time
+from pathlib import Path
 
 from llama_cpp import Llama
 
@@ -34,7 +35,8 @@ def main() -> None:
         llm.eval([7])
     result["tg"] = decode_tokens / (time.perf_counter() - t)
     # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss starts from the parent's peak.
-    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    status = Path("/proc/self/status").read_text().splitlines()
+    hwm = next(line for line in status if line.startswith("VmHWM:"))
     result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     print(json.dumps(result))
 

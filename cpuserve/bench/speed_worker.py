@@ -34,7 +34,8 @@ def main() -> None:
         token = model.logits(model.hidden_states(token, cache)[:, -1]).argmax(-1, keepdim=True)
     result["tg"] = decode_tokens / (time.perf_counter() - t)
     # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss starts from the parent's peak.
-    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    status = Path("/proc/self/status").read_text().splitlines()
+    hwm = next(line for line in status if line.startswith("VmHWM:"))
     result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     print(json.dumps(result))
 
