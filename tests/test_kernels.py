@@ -100,3 +100,11 @@ def test_model_greedy_tokens_native_equal_reference(smol_dir, tmp_path, monkeypa
         outputs[isa] = list(generate_ids(model, ids, SimpleSampling(max_tokens=32)))
     selected_variant.cache_clear()
     assert outputs["reference"] == outputs[runnable_variants()[-1]]
+
+
+def test_pack_quantized_words_go_straight_to_the_kernel_layout(kernels):
+    from cpuserve.quant.schemes import pack_int
+
+    q = torch.randint(-8, 8, (37, 576), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
+    nibbles = kernels.words_to_nibbles(pack_int(q, 4), 576)
+    assert torch.equal(nibbles, kernels.pack_int4(q)) and torch.equal(unpack_nibbles(nibbles, 576), q)

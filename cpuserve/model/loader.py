@@ -132,10 +132,16 @@ def load_model(
             state[name] = tensor.to(torch_dtype).contiguous()
         for prefix, q in quantized.items():
             load_quantized(q, prefix, ckpt.get, ckpt.file_of)
-            state[f"{prefix}.qweight"], state[f"{prefix}.scales"] = q.qweight, q.scales
+            state[f"{prefix}.scales"] = q.scales
+            if q.qweight is not None:
+                state[f"{prefix}.qweight"] = q.qweight
     if spec.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    missing_ok = {f"{p}.qweight" for p, q in quantized.items() if q.qweight is None}  # loaded as nibbles
+    result = model.load_state_dict(state, strict=False, assign=True)
+    unexpected = list(result.unexpected_keys) + [k for k in result.missing_keys if k not in missing_ok]
+    if unexpected:
+        raise RuntimeError(f"internal: state dict mismatch {unexpected[:3]}")
     if spec.tie_word_embeddings:  # one tensor, not two copies
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)

@@ -1,8 +1,9 @@
 """The quant schemes: what a quantized Linear's checkpoint holds, its layout after load, and its
 reference forward.
 
-After load every scheme holds `qweight` int8 [N, K] (int4 values in [-8, 7], int8 in [-128, 127])
-and `scales` fp32 [N, G] with G = K / group_size (1 for channel-wise). The reference forward is
+After load every scheme holds `qweight` int8 [N, K] (int4 values in [-8, 7], int8 in [-128, 127]),
+or for int4 on a native kernel only `packed` (the kernel's nibble layout, made straight from the
+checkpoint's words), and `scales` fp32 [N, G] with G = K / group_size (1 for channel-wise). The reference forward is
 exactly the integer arithmetic of the contract (kernels.md): activations quantized per token,
 s_a = amax / 127, q_a = round(x / s_a) in [-127, 127]; per group an exact integer dot product;
 y = s_a * sum_g s_w[g] * acc_g. It is the oracle of the native kernels and the fallback without one.
@@ -76,8 +77,9 @@ class QuantLinear(nn.Module):
         group = self.quant.group_size or self.in_features
         if self.in_features % 32 or group % 32:
             return False
-        if self.quant.bits == 4:
+        if self.quant.bits == 4 and self.packed is None:
             self.packed = kernels.pack_int4(self.qweight)
+        if self.quant.bits == 4:
             self.qweight = None
         self.native, self.variant = kernels, variant
         return True
@@ -156,6 +158,16 @@ def expected_tensors(prefix: str, quant: WeightQuant, n: int, k: int) -> dict[st
     return shapes
 
 
+def _native_for_load(quant: WeightQuant, k: int):  # type: ignore[no-untyped-def]
+    """The kernel module when int4 weights will run natively (so they can be repacked directly)."""
+    group = quant.group_size or k
+    if quant.bits != 4 or k % 32 or group % 32:
+        return None
+    from cpuserve.kernels import native, selected_variant
+
+    return native() if selected_variant() != "reference" else None
+
+
 def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # type: ignore[no-untyped-def]
     """Fill a QuantLinear from checkpoint tensors (get(name) -> tensor), checking each one."""
     quant, n, k = module.quant, module.out_features, module.in_features
@@ -191,7 +203,14 @@ def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # typ
                 f"{where(prefix + '.weight_shape')}: tensor '{prefix}.weight_shape' says {shape}, "
                 f"expected {[n, k]} from config.json"
             )
-        q = unpack_int(fetch(f"{prefix}.weight_packed", (torch.int32,)), quant.bits, k)
+        words = fetch(f"{prefix}.weight_packed", (torch.int32,))
+        kernels = _native_for_load(quant, k)
+        if kernels is not None:  # straight to the kernel's layout: no int8 copy of the weight
+            module.packed = kernels.words_to_nibbles(words, k)
+            module.qweight = None
+            module.scales = scale.contiguous()
+            return
+        q = unpack_int(words, quant.bits, k)
     else:
         q = fetch(f"{prefix}.weight", (torch.int8,))
         lo, hi = -(1 << (quant.bits - 1)), (1 << (quant.bits - 1)) - 1

@@ -67,8 +67,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--quantize-lm-head", default=None, choices=["int8"],
-                   help="opt-in: the output head as W8A8 (faster decode; logits carry int8 rounding)")
+    p.add_argument(
+        "--quantize-lm-head",
+        default=None,
+        choices=["int8"],
+        help="opt-in: the output head as W8A8 (faster decode; logits carry int8 rounding)",
+    )
     # Accepted, no effect here (see NO_EFFECT).
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--distributed-executor-backend", default=None)

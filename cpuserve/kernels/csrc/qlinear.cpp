@@ -277,6 +277,27 @@ torch::Tensor pack_int4(torch::Tensor q) {
   return out;
 }
 
+// compressed-tensors pack-quantized int4 (int32 words; word j holds k = 8j..8j+7, value + 8 at bits
+// 4i) -> the nibble layout above, without an int8 intermediate.
+torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k) {
+  const int64_t n = words.size(0), w = words.size(1);
+  TORCH_CHECK(k % 32 == 0 && w * 8 >= k, "words_to_nibbles: K must be a multiple of 32 and fit the words");
+  auto src_t = words.contiguous();
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(src_t.data_ptr<int32_t>());
+  auto out = torch::empty({n, k / 2}, torch::kUInt8);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint32_t* row = src + r * w;
+      auto nibble = [&](int64_t i) { return uint8_t((row[i / 8] >> (4 * (i % 8))) & 0x0F); };
+      for (int64_t b = 0; b < k / 32; ++b)
+        for (int j = 0; j < 16; ++j)
+          dst[r * (k / 2) + b * 16 + j] = uint8_t(nibble(b * 32 + j) | (nibble(b * 32 + 16 + j) << 4));
+    }
+  });
+  return out;
+}
+
 std::vector<std::string> variants() {
   std::vector<std::string> names{"generic"};
 #if defined(__x86_64__)
@@ -290,5 +311,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
+  mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");
   mod.def("variants", &variants, "variants compiled in (the CPU decides which can run)");
 }
