@@ -38,8 +38,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CpuserveError(f"--top-p must be in (0, 1], got {args.top_p}")
     machine, overrides, _ = _platform_plan(args)  # before torch loads: threads pinned one per core
     from cpuserve.detokenizer import IncrementalDetokenizer
-    from cpuserve.doctor import model_facts, plan_model_memory
     from cpuserve.generate import SimpleSampling, generate_ids
+    from cpuserve.model.footprint import model_facts, plan_model_memory
     from cpuserve.model.loader import load_model
     from cpuserve.model.resolve import resolve_model
     from cpuserve.tokenizer import GenerationDefaults, Tokenizer
@@ -224,7 +224,7 @@ def _cmd_bench_export_gguf(args: argparse.Namespace) -> int:
 
 def _cmd_bench_speed(args: argparse.Namespace) -> int:
     from cpuserve.bench.speed import run_speed
-    from cpuserve.doctor import model_facts
+    from cpuserve.model.footprint import model_facts
     from cpuserve.model.gguf_convert import open_gguf
 
     pairs, weight_bytes = [], {}

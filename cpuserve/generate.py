@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpuserve.engine.sampler import distribution
+from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.model.decoder import CausalLM
 
 
@@ -26,16 +28,10 @@ class SimpleSampling:
 
 
 def sample_next(logits: torch.Tensor, params: SimpleSampling, generator: torch.Generator | None) -> int:
-    """One token id from fp32 logits [V]."""
+    """One token id from fp32 logits [V]: argmax, or a draw from the engine sampler's distribution."""
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        cut = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        sorted_probs[cut] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    probs = distribution(logits, SamplingParams(temperature=params.temperature, top_p=params.top_p))
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

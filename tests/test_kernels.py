@@ -108,3 +108,13 @@ def test_pack_quantized_words_go_straight_to_the_kernel_layout(kernels):
     q = torch.randint(-8, 8, (37, 576), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
     nibbles = kernels.words_to_nibbles(pack_int(q, 4), 576)
     assert torch.equal(nibbles, kernels.pack_int4(q)) and torch.equal(unpack_nibbles(nibbles, 576), q)
+
+
+def test_one_openmp_runtime_in_the_process(kernels):
+    """The kernels link libgomp.so.1, the soname torch already loaded: no second OpenMP pool."""
+    torch.ones(1000, 1000).sum()  # torch's pool is up
+    q, s = _weights(8, None, 64, 256, 9)
+    kernels.w8a8_linear(torch.randn(4, 256), q, s.view(-1), None, runnable_variants()[-1])
+    with open("/proc/self/maps") as maps:
+        gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp

@@ -237,7 +237,7 @@ class LLMEngine:
         overrides=None,  # type: ignore[no-untyped-def]
     ) -> LLMEngine:
         """Load the model and size the KV cache from the platform memory plan (unless given)."""
-        from cpuserve.doctor import model_facts, plan_model_memory
+        from cpuserve.model.footprint import model_facts, plan_model_memory
         from cpuserve.model.loader import load_model
 
         spec, _, facts = model_facts(model_dir, dtype)

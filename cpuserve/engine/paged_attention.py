@@ -3,8 +3,9 @@
 K/V live in per-layer slot arrays [num_blocks * block_size, Hkv, D]; a sequence's token at
 position p is in slot block_table[p // block_size] * block_size + p % block_size. Decodes are
 batched into one attention call (padded to the longest context, masked); each prefill chunk is
-one call with a causal mask offset by what is already cached. GQA is handled by the attention
-call itself, so each KV head is read once for all query heads that share it.
+one call with a causal mask offset by what is already cached. GQA is passed to torch's attention
+(enable_gqa) instead of repeating K/V here; whether torch then reads each KV head once is torch's
+implementation, not measured here (a native decode attention will make it explicit).
 """
 
 from __future__ import annotations

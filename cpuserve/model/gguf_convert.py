@@ -88,10 +88,6 @@ def gguf_name(hf: str) -> str | None:
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """A GGUF reader, or one clear CheckpointError for a missing, corrupt or truncated file."""
-    return _open(path)
-
-
-def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found (expected a .gguf file)")
     try:
@@ -222,7 +218,7 @@ def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = Tru
     """Convert; on success `out` is a complete HF directory, on any failure it does not exist."""
     if out.exists() and not force:  # checked before the (long) read as well
         raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
-    reader = _open(src)
+    reader = open_gguf(src)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     config = hf_config(meta, tied="output.weight" not in names, source=src)

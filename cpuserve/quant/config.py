@@ -44,7 +44,8 @@ def _targets_match(targets: list[str], module: str) -> bool:
     return False
 
 
-def _ignored(ignore: list[str], module: str) -> bool:
+def is_ignored(ignore: list[str], module: str) -> bool:
+    """compressed-tensors' ignore rule: an exact module name or a `re:` pattern."""
     for pattern in ignore:
         if pattern.startswith("re:"):
             if re.match(pattern[3:], module):
@@ -94,7 +95,7 @@ class QuantConfig:
 
     def scheme_for(self, module: str) -> WeightQuant | None:
         """The module's weight format, or None when it stays unquantized (ignored or untargeted)."""
-        if _ignored(self.ignore, module):
+        if is_ignored(self.ignore, module):
             return None
         for group in self.groups:
             if _targets_match(group.targets, module):

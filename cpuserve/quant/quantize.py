@@ -20,7 +20,7 @@ from cpuserve.errors import ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory
 from cpuserve.model.config import load_spec
 from cpuserve.model.decoder import CausalLM
-from cpuserve.quant.config import GROUP_SIZES, WeightQuant
+from cpuserve.quant.config import GROUP_SIZES, WeightQuant, is_ignored
 from cpuserve.quant.schemes import pack_int
 
 COPIED_FILES = (
@@ -114,12 +114,6 @@ def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]
     }
 
 
-def _is_ignored(name: str, ignore: list[str]) -> bool:
-    import re
-
-    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
-
-
 def quantize_checkpoint(
     src: Path,
     out: Path,
@@ -149,7 +143,7 @@ def quantize_checkpoint(
         raise ConfigError(f"{src / 'config.json'}: the checkpoint is already quantized")
     with torch.device("meta"):
         linears = {n: m for n, m in CausalLM(spec).named_modules() if isinstance(m, nn.Linear)}
-    targets = {n: m for n, m in linears.items() if not _is_ignored(n, ignore)}
+    targets = {n: m for n, m in linears.items() if not is_ignored(ignore, n)}
     if spec.tie_word_embeddings and "lm_head" in targets:
         raise ConfigError("lm_head is tied to the embeddings: keep it in --ignore")
     for name, m in targets.items():

@@ -1,0 +1,107 @@
+"""What a model costs on this machine, from config and safetensors headers (no weights read):
+parameters, bytes, KV bytes per token, scheme and kernels, and the memory plan that follows.
+Used by `doctor` (to explain), by the engine (to size the KV cache) and by `generate` (to refuse
+a model that cannot fit before reading it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cpuserve.model.checkpoint import SafetensorsCheckpoint
+from cpuserve.model.config import ModelSpec, load_spec
+from cpuserve.model.loader import resolve_dtype
+from cpuserve.platform.machine import Machine
+from cpuserve.platform.overrides import Overrides
+from cpuserve.platform.plan import MemoryPlan, plan_memory
+from cpuserve.quant.config import QuantConfig
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+INT_BYTES = {"I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, dict[str, Any]]:
+    """Spec, compute dtype and size facts, from config and safetensors headers (no weights read)."""
+    spec = load_spec(model_dir)
+    compute = resolve_dtype(dtype, spec)
+    source = str(model_dir / "config.json")
+    qc = QuantConfig.from_hf(spec.quantization_config, source) if spec.quantization_config else None
+    elem = torch.empty((), dtype=compute).element_size()
+    with SafetensorsCheckpoint(model_dir) as ckpt:
+        params, weight_bytes = 0, 0
+        for n in ckpt.names():
+            count = int(torch.Size(ckpt.shape(n)).numel())
+            stored = ckpt.stored_dtype(n)
+            if stored in FLOAT_DTYPES:
+                weight_bytes += count * (4 if n.endswith("weight_scale") else elem)
+                params += 0 if n.endswith("weight_scale") else count
+            elif not n.endswith("weight_shape"):  # int8 values, or int32 words of packed values
+                weight_bytes += count * INT_BYTES.get(stored, 1)
+                quant = qc.scheme_for(n.rsplit(".", 1)[0]) if qc and stored == "I32" else None
+                params += count * (32 // quant.bits if quant else 1)
+        dtypes = sorted({str(ckpt.stored_dtype(n)) for n in ckpt.names()})
+        files = sorted({ckpt.file_of(n).name for n in ckpt.names()})
+    facts = {
+        "path": str(model_dir),
+        "architecture": spec.architecture,
+        "format": f"HF safetensors ({len(files)} file{'s' * (len(files) > 1)}, stored as {', '.join(dtypes)})",
+        "scheme": _scheme(qc, compute),
+        "layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "parameters": params,
+        "weights_bytes": weight_bytes,
+        "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "kernels": {
+            "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(qc, compute),
+            "attention": "torch scaled_dot_product_attention",
+            "norm, rope, activation": "torch",
+        },
+    }
+    return spec, compute, facts
+
+
+def plan_model_memory(
+    machine: Machine,
+    ov: Overrides,
+    spec: ModelSpec,
+    facts: dict[str, Any],
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> MemoryPlan:
+    """The memory plan for one model; raises ConfigError when it does not fit."""
+    # fp32 activations per batched token: residual, normed input, q/k/v, attention out, gate/up/act.
+    activation = 4 * (4 * spec.hidden_size + 3 * spec.intermediate_size + spec.q_size + 2 * spec.kv_size)
+    return plan_memory(
+        machine.resources,
+        ov,
+        weights=facts["weights_bytes"],
+        kv_bytes_per_token=facts["kv_bytes_per_token"],
+        model_max_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        activation_bytes_per_token=activation,
+    )
+
+
+def _scheme(qc: QuantConfig | None, compute: torch.dtype) -> str:
+    dense = str(compute).removeprefix("torch.")
+    if qc is None:
+        return f"unquantized, computed in {dense}"
+    names = sorted({g.weight.name for g in qc.groups})
+    return f"compressed-tensors {', '.join(names)}, int8 per-token activations; the rest in {dense}"
+
+
+def _linear_kernels(qc: QuantConfig | None, compute: torch.dtype) -> str:
+    dense = f"torch matmul, {str(compute).removeprefix('torch.')}"
+    if qc is None:
+        return dense
+    from cpuserve.kernels import native, selected_variant
+
+    schemes = sorted({q.name for g in qc.groups for q in [g.weight]})
+    variant = selected_variant()
+    runs = f"native {variant}" if variant != "reference" and native() is not None else "pure-torch reference"
+    return f"{', '.join(schemes)}: {runs}; unquantized ones ({', '.join(qc.ignore) or 'none'}): {dense}"
