@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpuserve import __version__
+from cpuserve import __version__, defaults
 from cpuserve.errors import CpuserveError
 
 log = logging.getLogger("cpuserve")
@@ -167,9 +167,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     except ValueError:
         raise CpuserveError(f"--concurrency {args.concurrency!r}: expected numbers like 1,4,8,16") from None
     model_dir = resolve_model(args.model, args.cache_dir)
-    config = EngineConfig(
-        max_model_len=args.max_model_len, max_num_seqs=max(concurrencies), max_num_batched_tokens=2048
-    )
+    config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=max(concurrencies))
     engine = LLMEngine.from_model_dir(model_dir, config, args.dtype)
     result = run_engine_bench(engine, concurrencies, args.new_tokens, args.prompt_words, args.repeats)
     print(render(str(model_dir), str(engine.model.dtype).removeprefix("torch."), threads.count, result))
@@ -333,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--no-model", action="store_true", help="report on the machine only")
     doc.add_argument("--json", action="store_true", help="machine-readable output")
     doc.add_argument("--max-model-len", type=int, default=None)
-    doc.add_argument("--max-num-seqs", type=int, default=64)
-    doc.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    doc.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
+    doc.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
     doc.set_defaults(func=_cmd_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks and benchmark models")

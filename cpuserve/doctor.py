@@ -7,15 +7,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cpuserve import defaults
 from cpuserve.errors import CpuserveError
 from cpuserve.model.footprint import model_facts, plan_model_memory
 from cpuserve.platform.machine import Machine
 from cpuserve.platform.overrides import read_overrides
 from cpuserve.platform.plan import GiB, plan_kernel, plan_threads
 from cpuserve.platform.sysfs import format_cpulist
-
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def _gib(n: int) -> str:
@@ -28,8 +26,8 @@ def build_report(
     model_dir: Path | None = None,
     dtype: str = "auto",
     max_model_len: int | None = None,
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: int = defaults.MAX_NUM_SEQS,
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
 ) -> dict[str, Any]:
     """Everything doctor says, as data; `problems` lists what will not work (one line each)."""
     cpu, res = machine.cpu, machine.resources

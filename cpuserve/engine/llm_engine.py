@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from cpuserve import defaults
 from cpuserve.engine.block_manager import BlockManager
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.outputs import CompletionOutput, RequestOutput
@@ -29,8 +30,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     max_model_len: int | None = None  # default: the model's, or what the KV cache holds if less
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: sized by the platform memory plan

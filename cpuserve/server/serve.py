@@ -11,6 +11,7 @@ import logging
 import os
 from pathlib import Path
 
+from cpuserve import defaults
 from cpuserve.errors import CpuserveError
 
 log = logging.getLogger("cpuserve")
@@ -40,8 +41,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--generation-config",
