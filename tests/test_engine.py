@@ -10,6 +10,7 @@ from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
 from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.generate import SimpleSampling, generate_ids
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
+from tests import faults
 
 LOGPROB_BUDGET = 2e-3  # fp32; paged/batched attention vs the contiguous reference
 
@@ -209,3 +210,20 @@ def test_prompt_longer_than_max_model_len_is_rejected(our_smol, tokenizer, smol_
     with pytest.raises(InvalidRequest, match=r"^prompt: token id 99999 is outside the vocabulary"):
         small.add_request("ids", [1, 2, 99999], SamplingParams())
     assert not small.scheduler.waiting
+
+
+@pytest.mark.parametrize("seed", [faults.SEED_DETOKENIZE_FAULT, faults.SEED_SAMPLE_FAULT])
+def test_a_request_that_faults_fails_alone(engine, monkeypatch, seed):
+    """Sampling or detokenizing one request raises: that request ends with an error and its blocks
+    are freed; the others in the same batches produce exactly their tokens from running alone."""
+    faults.install(monkeypatch.setattr)
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=16, ignore_eos=True) for i in range(3)]
+    alone = [run(engine, [p], q)[0].outputs[0].token_ids for p, q in zip(PROMPTS[:3], params, strict=True)]
+    bad = SamplingParams(temperature=0.8, seed=seed, max_tokens=16, ignore_eos=True)
+    outs = run(engine, [*PROMPTS[:3], PROMPTS[3]], [*params, bad])
+    assert [o.outputs[0].token_ids for o in outs[:3]] == alone
+    assert all(o.error is None for o in outs[:3])
+    assert outs[3].finished and outs[3].error is not None and "injected" in outs[3].error
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.has_unfinished()
+    # The engine goes on serving afterwards.
+    assert run(engine, [PROMPTS[0]], params[0])[0].outputs[0].token_ids == alone[0]

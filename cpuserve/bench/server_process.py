@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+PROCESSES: dict[str, subprocess.Popen] = {}  # base URL -> the server process, while it runs
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,14 +23,23 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(
-    args: list[str], env: dict[str, str] | None = None, log: Path | None = None, poll: float = 0.2
+    args: list[str],
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    poll: float = 0.2,
+    entry: list[str] | None = None,
 ) -> Iterator[str]:
-    """Yield the base URL once /health answers 200; terminate the process afterwards."""
+    """Yield the base URL once /health answers 200; terminate the process afterwards.
+
+    `entry` replaces `python -m cpuserve` (tests start a server with faults injected this way);
+    PROCESSES[base URL] is the process while it runs."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cpuserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    entry = entry or [sys.executable, "-m", "cpuserve"]
+    cmd = [*entry, "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
+    PROCESSES[base] = proc
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -51,5 +62,6 @@ def running_server(
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        PROCESSES.pop(base, None)
         if log:
             out.close()

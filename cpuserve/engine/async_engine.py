@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from cpuserve.engine.llm_engine import LLMEngine
@@ -25,6 +25,14 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an unexpected error; the process should be restarted."""
 
 
+class RequestFailed(RuntimeError):
+    """This request alone hit a fault (logged by the engine); the engine serves the others."""
+
+
+class RequestCancelled(RuntimeError):
+    """The server is shutting down and stopped this request before it finished."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -36,11 +44,14 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """on_fatal runs on the engine thread after a fatal error (the server uses it to exit)."""
         self.engine = engine
+        self.on_fatal = on_fatal
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._cancel_all: str | None = None
         self._streams: dict[str, _Add] = {}
         self._stopping = False
         self.error: BaseException | None = None
@@ -66,6 +77,9 @@ class AsyncEngine:
         try:
             while True:
                 item = await add.queue.get()
+                if isinstance(item, RequestFailed | RequestCancelled):
+                    finished = True
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine stopped") from item
                 finished = item.finished
@@ -82,6 +96,17 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def cancel_all(self, reason: str) -> None:
+        """Stop every running and waiting request before the next step; each stream gets
+        RequestCancelled(reason). Used when a graceful shutdown runs out of time."""
+        with self._cond:
+            self._cancel_all = reason
+            self._cond.notify()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopping = True
@@ -95,12 +120,13 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stopping or engine.has_unfinished()):
+                while not (self._adds or self._aborts or self._stopping or self._cancel_all or engine.has_unfinished()):
                     self._cond.wait()
                 if self._stopping:
                     return
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                cancel, self._cancel_all = self._cancel_all, None
             for add in adds:
                 try:
                     engine.add_request(add.request_id, add.prompt, add.params)
@@ -113,6 +139,11 @@ class AsyncEngine:
                 if engine.abort(request_id):
                     log.debug("aborted %s", request_id)
                 self._streams.pop(request_id, None)
+            if cancel is not None:
+                for request_id, add in list(self._streams.items()):
+                    engine.abort(request_id)
+                    self._deliver(add, RequestCancelled(cancel))
+                self._streams.clear()
             if not engine.has_unfinished():
                 continue
             try:
@@ -122,10 +153,12 @@ class AsyncEngine:
                 self.error = exc
                 for add in self._streams.values():
                     self._deliver(add, exc)
+                if self.on_fatal is not None:
+                    self.on_fatal(exc)
                 return
             for out in outputs:
                 add = self._streams.get(out.request_id)
                 if add is not None:
-                    self._deliver(add, out)
+                    self._deliver(add, RequestFailed(out.error) if out.error else out)
                     if out.finished:
                         del self._streams[out.request_id]

@@ -137,14 +137,23 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batched forward pass; return outputs of the requests that changed."""
+        """Run one batched forward pass; return outputs of the requests that changed.
+
+        A fault while sampling, detokenizing or shaping one request fails that request alone (its
+        output carries `error`, its blocks are freed); a fault in the forward pass is the engine's
+        and propagates."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         self.stats["steps"] += 1
         result = self.runner.execute(batch)
+        failed: dict[str, BaseException] = {}
         for i, logits in result.prompt_logits.items():
-            self._collect_prompt_logprobs(batch.items[i][0], logits)
+            seq = batch.items[i][0]
+            try:
+                self._collect_prompt_logprobs(seq, logits)
+            except Exception as exc:
+                failed.setdefault(seq.request_id, exc)
         touched: dict[str, _Request] = {}
         for seq, n in batch.items:
             self.stats["prompt_tokens"] += max(0, min(n, len(seq.prompt_ids) - seq.num_computed))
@@ -153,16 +162,48 @@ class LLMEngine:
         if result.samplers:
             seqs = [batch.items[i][0] for i in result.samplers]
             now = time.monotonic()
-            for seq, (token, info) in zip(seqs, sample(result.sample_logits, seqs, self.eos_ids), strict=True):
+            for seq, drawn in zip(seqs, sample(result.sample_logits, seqs, self.eos_ids), strict=True):
                 req = self.requests[seq.request_id]
-                req.first_token_time = req.first_token_time or now
-                self._append(req, seq, token, info)
                 touched[req.request_id] = req
-        outputs = [self._output(req) for req in touched.values()]
+                if req.request_id in failed:
+                    continue
+                if isinstance(drawn, Exception):
+                    failed[req.request_id] = drawn
+                    continue
+                req.first_token_time = req.first_token_time or now
+                try:
+                    self._append(req, seq, *drawn)
+                except Exception as exc:
+                    failed[req.request_id] = exc
+        outputs = []
+        for req in touched.values():
+            if req.request_id not in failed:
+                try:
+                    outputs.append(self._output(req))
+                except Exception as exc:
+                    failed[req.request_id] = exc
+        outputs += [self._fail(request_id, exc) for request_id, exc in failed.items()]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return outputs
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
+        """End one request after a fault of its own: logged, blocks freed, error in its output."""
+        log.error("request %s failed (the others go on)", request_id, exc_info=exc)
+        req = self.requests[request_id]
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        return RequestOutput(
+            request_id=request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_ids,
+            prompt_logprobs=None,
+            outputs=[],
+            finished=True,
+            error=f"{type(exc).__name__}: {exc}",
+        )
 
     def _collect_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         if not seq.prompt_logprobs:

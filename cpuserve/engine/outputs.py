@@ -32,3 +32,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when this request alone failed (finished, outputs as far as they got)

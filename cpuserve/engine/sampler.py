@@ -78,25 +78,49 @@ def _draw(x: torch.Tensor, seq: Sequence) -> int:
     return int(torch.multinomial(distribution(x, seq.params), 1, generator=seq.generator))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> list[tuple[int, TokenLogprobs | None]]:
-    """One (token, logprobs or None) per row of fp32 logits [N, V]."""
-    tokens = []
+Drawn = tuple[int, TokenLogprobs | None] | Exception
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> list[Drawn]:
+    """One (token, logprobs or None) per row of fp32 logits [N, V], or the exception that row
+    raised: a fault in one sequence must not cost the others their token (nor, by a retry, a second
+    draw from their random generators)."""
+    tokens: list[int | Exception] = []
     for raw, seq in zip(logits, seqs, strict=True):
-        stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
-        tokens.append(_draw(processed_logits(raw, seq, stop_ids), seq))
-    infos: list[TokenLogprobs | None] = [None] * len(seqs)
-    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        try:
+            stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
+            tokens.append(_draw(processed_logits(raw, seq, stop_ids), seq))
+        except Exception as exc:
+            tokens.append(exc)
+    infos: list[TokenLogprobs | Exception | None] = [None] * len(seqs)
+    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None and isinstance(tokens[i], int)]
     if wanted:
-        # One pass over the rows that asked: log_softmax, chosen values, ranks and top-k together.
-        rows = torch.tensor(wanted)
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        chosen_ids = torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)
-        chosen = lp.gather(1, chosen_ids)
-        ranks = (lp > chosen).sum(dim=1) + 1
-        k = max(seqs[i].params.logprobs for i in wanted)
-        top_v, top_i = torch.topk(lp, k, dim=1) if k else (None, None)
-        for j, i in enumerate(wanted):
-            n = seqs[i].params.logprobs
-            top = {} if not n else dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True))
-            infos[i] = TokenLogprobs(token_id=tokens[i], logprob=float(chosen[j, 0]), rank=int(ranks[j]), top=top)
-    return list(zip(tokens, infos, strict=True))
+        try:
+            _logprobs_into(infos, logits, seqs, tokens, wanted)  # type: ignore[arg-type]
+        except Exception:
+            for i in wanted:  # no randomness here: row by row gives the same values
+                try:
+                    _logprobs_into(infos, logits, seqs, tokens, [i])  # type: ignore[arg-type]
+                except Exception as exc:
+                    infos[i] = exc
+    return [
+        t if isinstance(t, Exception) else info if isinstance(info, Exception) else (t, info)
+        for t, info in zip(tokens, infos, strict=True)
+    ]
+
+
+def _logprobs_into(
+    infos: list, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], wanted: list[int]
+) -> None:  # type: ignore[type-arg]
+    """One pass over the rows that asked: log_softmax, chosen values, ranks and top-k together."""
+    rows = torch.tensor(wanted)
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    chosen_ids = torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)
+    chosen = lp.gather(1, chosen_ids)
+    ranks = (lp > chosen).sum(dim=1) + 1
+    k = max(seqs[i].params.logprobs for i in wanted)
+    top_v, top_i = torch.topk(lp, k, dim=1) if k else (None, None)
+    for j, i in enumerate(wanted):
+        n = seqs[i].params.logprobs
+        top = {} if not n else dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True))
+        infos[i] = TokenLogprobs(token_id=tokens[i], logprob=float(chosen[j, 0]), rank=int(ranks[j]), top=top)

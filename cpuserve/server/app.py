@@ -20,12 +20,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpuserve import __version__
-from cpuserve.engine.async_engine import AsyncEngine, EngineDeadError
+from cpuserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestCancelled, RequestFailed
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.engine.sampling_params import InvalidRequest
 from cpuserve.engine.sequence import TokenLogprobs
+from cpuserve.server.body_limit import BodySizeLimit
 from cpuserve.server.metrics import Metrics
 from cpuserve.server.protocol import (
     ChatCompletionRequest,
@@ -46,6 +48,7 @@ class ServerConfig:
     chat_template: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int = 256
+    max_request_bytes: int = 16 * 1024 * 1024
 
 
 class APIError(Exception):
@@ -66,6 +69,21 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body, status_code=status)
 
 
+def api_error(exc: Exception) -> APIError:
+    """The OpenAI-style error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, RequestFailed):
+        return APIError(500, f"The request failed inside the engine: {exc}", "InternalServerError")
+    if isinstance(exc, RequestCancelled):
+        return APIError(503, f"The request was stopped: {exc}.", "ServiceUnavailableError", code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "The engine has stopped; the server is restarting.", "ServiceUnavailableError")
+    return APIError(500, "Internal server error (logged).", "InternalServerError")
+
+
 def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     raw = tokenizer.token_bytes(token_id)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
@@ -80,6 +98,7 @@ class Server:
         self.model_name = config.served_model_names[0]
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
+        self.draining = False  # set on SIGTERM/SIGINT: running requests finish, new ones get 503
 
     # ---- request checks -------------------------------------------------------------------------
 
@@ -97,6 +116,8 @@ class Server:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
     def check_capacity(self, extra: int) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", "ServiceUnavailableError", code="shutting_down")
         if self.llm.num_waiting + extra > self.config.max_waiting_requests:
             raise APIError(
                 503, "The server is at capacity; retry shortly.", "ServiceUnavailableError", code="server_overloaded"
@@ -492,8 +513,8 @@ class Server:
             try:
                 async for event in events:
                     yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
-            except (InvalidRequest, APIError) as exc:
-                err = exc if isinstance(exc, APIError) else APIError(400, str(exc), param=exc.param)
+            except (InvalidRequest, APIError, RequestFailed, RequestCancelled, EngineDeadError) as exc:
+                err = api_error(exc)
                 payload = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}}
                 yield f"data: {json.dumps(payload)}\n\n".encode()
             yield b"data: [DONE]\n\n"
@@ -507,6 +528,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     server = Server(engine, config)
     app = FastAPI(title="cpuserve", version=__version__)
     app.state.server = server
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -516,8 +538,22 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return response
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(400, str(exc), "BadRequestError", exc.param)
+    @app.exception_handler(RequestFailed)
+    @app.exception_handler(RequestCancelled)
+    @app.exception_handler(EngineDeadError)
+    async def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+        err = api_error(exc)
+        return error_response(err.status, err.message, err.type, err.param, err.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
+        return error_response(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "BadRequestError"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "Internal server error (logged).", "InternalServerError")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -527,10 +563,6 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return error_response(
             400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", "BadRequestError", param
         )
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, "The engine has stopped; the server is restarting.", "ServiceUnavailableError")
 
     @app.get("/health")
     async def health() -> Response:
@@ -570,7 +602,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def tokenize(request: Request, req: TokenizeRequest) -> dict:
         server.check_auth(request)
         server.check_model(req.model)
-        if req.messages is not None:
+        if req.messages:
             ids = server._chat_prompt(
                 ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
             )

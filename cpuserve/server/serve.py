@@ -60,6 +60,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="waiting sequences beyond which requests get 503 with Retry-After",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="request bodies larger than this get 413 before they are read",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are stopped",
+    )
+    p.add_argument(
         "--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
@@ -92,7 +104,9 @@ def _check(args: argparse.Namespace) -> None:
         raise CpuserveError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model dtype) is supported")
     if args.device not in (None, "cpu", "auto"):
         raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
-    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests"):
+    if args.shutdown_timeout < 0:
+        raise CpuserveError("--shutdown-timeout must be >= 0")
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise CpuserveError(f"--{name.replace('_', '-')} must be at least 1")
     for name, why in NO_EFFECT.items():
@@ -147,6 +161,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     from cpuserve.model.footprint import model_facts
     from cpuserve.model.resolve import BUNDLED_NAME, resolve_model
     from cpuserve.server.app import ServerConfig, create_app
+    from cpuserve.server.shutdown import HttpServer
 
     model_dir = resolve_model(args.model, args.cache_dir)
     if args.quantize_lm_head:
@@ -162,14 +177,16 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides)
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    async_engine = AsyncEngine(engine, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
     app = create_app(
-        AsyncEngine(engine),
+        async_engine,
         ServerConfig(
             served_model_names=names,
             api_key=api_key,
             chat_template=_chat_template(args.chat_template),
             sampling_defaults=_sampling_defaults(args.generation_config, model_dir),
             max_waiting_requests=args.max_waiting_requests,
+            max_request_bytes=args.max_request_bytes,
         ),
     )
     log.info(
@@ -187,5 +204,14 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         args.port,
         "; API key required" if api_key else "",
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False)
+    http = HttpServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False),
+        app.state.server,
+        args.shutdown_timeout,
+    )
+    http.run()
+    async_engine.shutdown()
+    if http.fatal is not None:
+        log.error("exiting after a fatal engine error: %s", http.fatal)
+        return 1
     return 0
