@@ -79,3 +79,41 @@ def test_invalid_request_raises_before_any_output(engine):
         assert async_engine.alive and not engine.has_unfinished()
     finally:
         async_engine.shutdown()
+
+
+def test_fatal_error_fails_every_stream_turns_health_503_and_calls_on_fatal(engine, monkeypatch):
+    import httpx
+
+    from cpuserve.engine.async_engine import EngineDeadError
+    from cpuserve.server.app import ServerConfig, create_app
+    from tests import faults
+
+    faults.install(monkeypatch.setattr)
+    fatal: list[BaseException] = []
+    async_engine = AsyncEngine(engine, on_fatal=fatal.append)
+    app = create_app(async_engine, ServerConfig(served_model_names=["m"]))
+    normal = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    poison = SamplingParams(temperature=0.5, seed=faults.SEED_FATAL, max_tokens=5)
+
+    async def consume(request_id, params):
+        async for _ in async_engine.generate(request_id, "The sky is", params):
+            pass
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            running = asyncio.ensure_future(consume("a", normal))
+            await asyncio.sleep(0.3)
+            results = await asyncio.gather(running, consume("b", poison), return_exceptions=True)
+            health = (await client.get("/health")).status_code
+            after = (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code
+        return results, health, after
+
+    try:
+        results, health, after = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert all(isinstance(r, EngineDeadError) for r in results)
+    assert health == 503 and after == 503
+    assert len(fatal) == 1 and "injected fatal" in str(fatal[0])
