@@ -187,6 +187,22 @@ def _cmd_bench_startup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_load(args: argparse.Namespace) -> int:
+    from cpuserve.bench.load_test import render, run_load
+    from cpuserve.model.resolve import resolve_model
+
+    model_dir = resolve_model(args.model, args.cache_dir)  # convert once, before the clock starts
+    serve_args = [str(model_dir), "--max-num-seqs", str(args.clients), *args.serve_args]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    result = run_load(serve_args, env, args.clients, args.seconds, args.seed)
+    command = (
+        f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib} cpuserve serve {' '.join(serve_args)}; "
+        f"{args.clients} streaming chat clients for {args.seconds:.0f} s"
+    )
+    print(render(result, command))
+    return 1 if result.errors else 0
+
+
 def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
     import torch
 
@@ -277,6 +293,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from cpuserve.model.resolve import resolve_model
+    from cpuserve.quant.calibrate import CalibrationOptions
     from cpuserve.quant.quantize import quantize_checkpoint
 
     src = resolve_model(args.src, args.cache_dir)
@@ -290,6 +307,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         ignore,
         args.force,
         scale_method=args.scale_method,
+        calibration=[Path(p) for p in args.calibration or []],
+        calibration_options=CalibrationOptions(
+            smoothquant_alpha=None if args.smoothquant <= 0 else args.smoothquant, gptq=args.gptq
+        ),
+        calibration_tokens=args.calibration_tokens,
     )
     log.info("wrote %s", out)
     return 0
@@ -351,6 +373,15 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--repeats", type=int, default=3)
     bs.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
     bs.set_defaults(func=_cmd_bench_startup)
+    bl = bench_sub.add_parser("load", help="concurrent streaming clients against a server: errors, TTFT, memory")
+    bl.add_argument("model", nargs="?", default=None)
+    bl.add_argument("--cache-dir", default=None)
+    bl.add_argument("--clients", type=int, default=64)
+    bl.add_argument("--seconds", type=float, default=60.0)
+    bl.add_argument("--kv-cache-gib", type=float, default=1.0)
+    bl.add_argument("--seed", type=int, default=0)
+    bl.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
+    bl.set_defaults(func=_cmd_bench_load)
     bp = bench_sub.add_parser("perplexity", help="perplexity of cpuserve models and llama.cpp GGUFs, one run")
     bp.add_argument("models", nargs="+", help="HF directories, optionally LABEL=PATH; the first is the baseline")
     bp.add_argument("--gguf", action="append", help="LABEL=FILE.gguf evaluated by llama.cpp on the same windows")
@@ -404,6 +435,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="mse",
         choices=["mse", "minmax"],
         help="mse: least-error scale per group (default); minmax: compressed-tensors' amax rule",
+    )
+    qz.add_argument(
+        "--calibration",
+        nargs="+",
+        default=None,
+        metavar="TEXT_FILE",
+        help="plain-text files to calibrate on: enables SmoothQuant folding and GPTQ (default: data-free RTN)",
+    )
+    qz.add_argument("--calibration-tokens", type=int, default=8192, help="at most this many calibration tokens")
+    qz.add_argument(
+        "--smoothquant", type=float, default=0.5, help="SmoothQuant migration strength alpha with --calibration; 0: off"
+    )
+    qz.add_argument(
+        "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ error feedback with --calibration"
     )
     qz.add_argument("--force", action="store_true")
     qz.add_argument("--cache-dir", default=None)
