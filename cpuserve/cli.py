@@ -445,7 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qz.add_argument("--calibration-tokens", type=int, default=8192, help="at most this many calibration tokens")
     qz.add_argument(
-        "--smoothquant", type=float, default=0.5, help="SmoothQuant migration strength alpha with --calibration; 0: off"
+        "--smoothquant",
+        type=float,
+        default=0.65,
+        help="SmoothQuant strength alpha with --calibration; 0: off",
     )
     qz.add_argument(
         "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ error feedback with --calibration"

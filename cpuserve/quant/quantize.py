@@ -20,6 +20,7 @@ from cpuserve.errors import ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory
 from cpuserve.model.config import load_spec
 from cpuserve.model.decoder import CausalLM
+from cpuserve.quant.calibrate import CalibrationOptions, Quantizer, calibrate_and_quantize
 from cpuserve.quant.config import GROUP_SIZES, WeightQuant, is_ignored
 from cpuserve.quant.schemes import pack_int
 
@@ -124,7 +125,13 @@ def quantize_checkpoint(
     force: bool = False,
     progress: bool = True,
     scale_method: str = "mse",
+    calibration: list[Path] | None = None,
+    calibration_options: CalibrationOptions | None = None,
+    calibration_tokens: int = 8192,
+    calibration_window: int = 512,
 ) -> Path:
+    """Write OUT as a compressed-tensors checkpoint; with calibration texts, smoothing and GPTQ
+    (cpuserve/quant/calibrate.py) replace plain round-to-nearest."""
     if scheme not in SCHEMES:
         raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     bits = SCHEMES[scheme]
@@ -154,13 +161,28 @@ def quantize_checkpoint(
             )
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config(quant, ignore)
+    calibrated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    changed: dict[str, torch.Tensor] = {}
+    if calibration:
+        calibrated, changed = _calibrate(
+            src,
+            {name: quant for name in targets},
+            lambda w, q: quantize_weight(w, q, scale_method),
+            calibration,
+            calibration_options or CalibrationOptions(),
+            calibration_tokens,
+            calibration_window,
+            progress,
+        )
     with SafetensorsCheckpoint(src) as ckpt, atomic_directory(out, force) as partial:
         writer = ShardWriter(partial)
-        for name in tqdm(ckpt.names(), desc=f"quantizing to {quant.name}", unit="tensor", disable=not progress):
+        for name in tqdm(ckpt.names(), desc=f"writing {quant.name}", unit="tensor", disable=not progress):
             module = name.removesuffix(".weight")
             tensor = ckpt.get(name)
-            if name.endswith(".weight") and module in targets:
-                q, scale = quantize_weight(tensor, quant, scale_method)
+            if name in changed:
+                writer.add(name, changed[name].to(tensor.dtype))
+            elif name.endswith(".weight") and module in targets:
+                q, scale = calibrated.get(module) or quantize_weight(tensor, quant, scale_method)
                 if quant.packed:
                     writer.add(f"{module}.weight_packed", pack_int(q, quant.bits))
                     writer.add(f"{module}.weight_shape", torch.tensor(list(q.shape), dtype=torch.int64))
@@ -175,3 +197,36 @@ def quantize_checkpoint(
             if (src / fname).is_file():
                 shutil.copy(src / fname, partial / fname)
     return out
+
+
+def calibration_windows(tokenizer, texts: list[Path], tokens: int, window: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Token windows [B, window] cut from the concatenated texts, at most `tokens` in all."""
+    ids: list[int] = []
+    for path in texts:
+        if not path.is_file():
+            raise ConfigError(f"--calibration {path}: no such file")
+        ids += tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+    count = min(tokens, len(ids)) // window
+    if count == 0:
+        raise ConfigError(f"--calibration: {len(ids)} tokens in all; at least one window of {window} is needed")
+    return torch.tensor(ids[: count * window]).view(count, window)
+
+
+def _calibrate(
+    src: Path,
+    targets: dict[str, WeightQuant],
+    quantizer: Quantizer,
+    texts: list[Path],
+    opts: CalibrationOptions,
+    tokens: int,
+    window: int,
+    progress: bool,
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+    from cpuserve.model.loader import load_model
+    from cpuserve.tokenizer import Tokenizer
+
+    spec = load_spec(src)
+    windows = calibration_windows(Tokenizer(src), texts, tokens, window)
+    model = load_model(src, "float32", progress=progress)
+    storage = getattr(torch, spec.torch_dtype, torch.bfloat16)
+    return calibrate_and_quantize(model, windows, targets, quantizer, opts, storage, progress)
