@@ -118,3 +118,16 @@ def test_one_openmp_runtime_in_the_process(kernels):
     with open("/proc/self/maps") as maps:
         gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
+
+
+def test_the_kernel_and_the_platform_layer_choose_the_same_variant(kernels, monkeypatch):
+    """Two views of one CPU: the kernel's own (cpuid / HWCAP) and the platform layer's (/proc/cpuinfo)."""
+    from cpuserve.kernels import selected_variant
+
+    monkeypatch.delenv("CPUSERVE_ISA", raising=False)
+    monkeypatch.delenv("CPUSERVE_KERNEL_VARIANT", raising=False)
+    selected_variant.cache_clear()
+    try:
+        assert kernels.best_variant() == selected_variant()
+    finally:
+        selected_variant.cache_clear()

@@ -12,8 +12,12 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-# Best first, per the platform layer's variant names; "reference" means the pure-torch scheme.
-VARIANTS = ("avx512_vnni", "avx2", "generic")
+# Compiled variant names, best first per architecture; "reference" means the pure-torch scheme.
+VARIANTS = ("avx512_vnni", "avx2", "neon_i8mm", "neon_dotprod", "neon", "generic")
+# Platform-layer names (platform/plan.py) -> the kernel that serves them. AVX-VNNI runs the AVX2
+# kernels; SVE2 cores run the NEON I8MM kernels: on the cores we target (Cortex-A720/A520, Neoverse
+# V2) SVE's vector length is 128 bits, NEON's, so SVE2 brings no wider dot products (docs/kernels.md).
+PLATFORM_TO_KERNEL = {"avx_vnni": "avx2", "sve2_i8mm": "neon_i8mm", "scalar": "generic"}
 
 
 @cache
@@ -35,7 +39,7 @@ def native() -> ModuleType | None:
 
 @cache
 def selected_variant() -> str:
-    """CPUSERVE_ISA if set (generic | avx2 | avx512_vnni | reference), else the platform's choice."""
+    """CPUSERVE_ISA if set (a name in VARIANTS, or reference), else the platform's choice."""
     override = os.environ.get("CPUSERVE_ISA")
     if override:
         if override not in (*VARIANTS, "reference"):
@@ -48,7 +52,7 @@ def selected_variant() -> str:
     from cpuserve.platform.plan import plan_kernel
 
     chosen = plan_kernel(detect_machine().cpu, read_overrides(os.environ)).variant
-    return {"avx_vnni": "avx2", "scalar": "generic"}.get(chosen, chosen if chosen in VARIANTS else "generic")
+    return PLATFORM_TO_KERNEL.get(chosen, chosen if chosen in VARIANTS else "generic")
 
 
 def runnable_variants() -> list[str]:
@@ -61,4 +65,5 @@ def runnable_variants() -> list[str]:
         return []
     cpu = detect_machine().cpu
     supported = {name for name, needs in KERNEL_VARIANTS.get(cpu.arch, []) if needs <= cpu.features}
+    supported |= {PLATFORM_TO_KERNEL[name] for name in supported if name in PLATFORM_TO_KERNEL}
     return [v for v in module.variants() if v == "generic" or v in supported]

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "csrc" / "qlinear.cpp"]
+SOURCES = [HERE / "csrc" / "qlinear.cpp", HERE / "csrc" / "qlinear_core.h"]
+# No fused multiply-add contraction of scalar code: the twins' float order is part of the contract.
+CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"]
 BUILD_DIR = HERE / "_build"
 
 
@@ -45,10 +47,10 @@ def build(verbose: bool = False) -> Path:
     print(f"[setup] compiling native kernels into {out.relative_to(HERE.parent.parent)} (once)", file=sys.stderr)
     load(
         name=library_name(),
-        sources=[str(s) for s in SOURCES],
+        sources=[str(s) for s in SOURCES if s.suffix == ".cpp"],
         build_directory=str(out),
         # torch's own libgomp has the same soname, so the loader reuses it: one OpenMP runtime.
-        extra_cflags=["-O3", "-fopenmp", "-Wall"],
+        extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )

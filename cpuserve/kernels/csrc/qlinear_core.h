@@ -1,0 +1,468 @@
+// The W8A8 / W4A8 kernel core: per-token int8 activations times int8 or int4 weights, on raw
+// pointers, no torch and no threads. qlinear.cpp binds it to torch (at::parallel_for over output
+// columns); kernel_check.cpp runs it alone, natively or cross-compiled for aarch64 under qemu.
+//
+// Every variant has the scalar "generic" twin. SIMD variants are compiled with function-level
+// target attributes and chosen at run time by name (best_variant() reads the CPU's features):
+//   x86-64:  avx2, avx512_vnni
+//   aarch64: neon (Armv8.0), neon_dotprod (sdot), neon_i8mm (sdot for GEMV, smmla 2x2 tiles for GEMM)
+// Integer accumulation is exact everywhere. W8A8's float epilogue is shared, so every variant is
+// bit-identical to the twin. For W4A8 the Arm variants reduce each group to one int32 before the same
+// scalar float update as the twin (bit-identical); the x86 variants keep per-group products in
+// vector lanes (equal within float rounding).
+//
+// Int4 layout (repacked at load): per row, per 32-element block, 16 bytes; byte j holds
+// w[k0 + j] + 8 in its low nibble and w[k0 + 16 + j] + 8 in its high nibble. Dot products use the
+// unsigned nibbles (0..15) directly and subtract 8 * sum(activations of the group), which the
+// activation quantizer computes once per token and group.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+#endif
+
+namespace cpk {
+
+// Inner products. dot_i8: sum a*w over k. row_u4: sum_g s_g * sum_{group g} nibble * a (before the
+// -8 correction and the activation scale). tile_*: the same for 2 activation rows x 2 weight rows at
+// once (out = [r0c0, r0c1, r1c0, r1c1]); null where the variant has no tile kernel.
+using DotI8 = int32_t (*)(const int8_t*, const int8_t*, int64_t);
+using RowU4 = float (*)(const int8_t*, const uint8_t*, const float*, int64_t, int64_t);
+using TileI8 = void (*)(const int8_t*, const int8_t*, const int8_t*, const int8_t*, int64_t, int32_t*);
+using TileU4 = void (*)(const int8_t*, const int8_t*, const uint8_t*, const uint8_t*, const float*, const float*,
+                        int64_t, int64_t, float*);
+
+struct Variant {
+  const char* name;
+  DotI8 dot_i8;
+  RowU4 row_u4;
+  TileI8 tile_i8;
+  TileU4 tile_u4;
+  bool w4_exact;  // W4A8 bit-identical to the generic twin
+};
+
+// ---------------------------------------------------------------- generic (scalar) twins
+inline int32_t dot_i8_generic(const int8_t* a, const int8_t* w, int64_t k) {
+  int32_t acc = 0;
+  for (int64_t i = 0; i < k; ++i) acc += int32_t(a[i]) * int32_t(w[i]);
+  return acc;
+}
+
+// One group of len values (a multiple of 32): sum of nibble * a, nibbles unsigned 0..15.
+inline int32_t dot_u4_generic(const int8_t* a, const uint8_t* w, int64_t len) {
+  int32_t acc = 0;
+  for (int64_t b = 0; b < len / 32; ++b) {
+    const uint8_t* wb = w + b * 16;
+    const int8_t* ab = a + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      acc += int32_t(wb[j] & 0x0F) * int32_t(ab[j]);
+      acc += int32_t(wb[j] >> 4) * int32_t(ab[16 + j]);
+    }
+  }
+  return acc;
+}
+
+inline float row_u4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+  float y = 0.f;
+  for (int64_t g = 0; g < groups; ++g) y += float(dot_u4_generic(a + g * group, w + g * group / 2, group)) * s[g];
+  return y;
+}
+
+#if defined(__x86_64__)
+// ---------------------------------------------------------------- x86: AVX2
+__attribute__((target("avx2,fma"))) inline int32_t hsum_i32_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+__attribute__((target("avx2,fma"))) inline int32_t dot_i8_avx2(const int8_t* a, const int8_t* w, int64_t k) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
+    __m256i vw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+    // |w| (unsigned) x (a with w's sign): maddubs cannot saturate because |a| <= 127.
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(va, vw));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  int32_t total = hsum_i32_avx2(acc);
+  for (; i < k; ++i) total += int32_t(a[i]) * int32_t(w[i]);
+  return total;
+}
+
+// Per group: integer multiply-adds into one vector, converted and FMA'd with the group scale into a
+// float vector; a single horizontal sum per output.
+__attribute__((target("avx2,fma"))) inline float row_u4_avx2(const int8_t* a, const uint8_t* w, const float* s,
+                                                             int64_t groups, int64_t group) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 facc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * group / 2;
+    const int8_t* ag = a + g * group;
+    for (int64_t b = 0; b < group / 32; ++b) {
+      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + b * 16));
+      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+      __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + b * 32));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, va), ones));
+    }
+    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s[g]), facc);
+  }
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(facc), _mm256_extractf128_ps(facc, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// ---------------------------------------------------------------- x86: AVX-512 VNNI
+#define CPK_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+__attribute__((target(CPK_VNNI_TARGET))) inline int32_t dot_i8_vnni(const int8_t* a, const int8_t* w, int64_t k) {
+  __m512i acc = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) {
+    __m512i va = _mm512_loadu_si512(a + i);
+    __m512i vw = _mm512_loadu_si512(w + i);
+    __mmask64 neg = _mm512_movepi8_mask(vw);
+    __m512i aw = _mm512_abs_epi8(vw);
+    __m512i sa = _mm512_mask_sub_epi8(va, neg, _mm512_setzero_si512(), va);
+    acc = _mm512_dpbusd_epi32(acc, aw, sa);
+  }
+  int32_t total = _mm512_reduce_add_epi32(acc);
+  for (; i < k; ++i) total += int32_t(a[i]) * int32_t(w[i]);
+  return total;
+}
+
+__attribute__((target(CPK_VNNI_TARGET))) inline float row_u4_vnni(const int8_t* a, const uint8_t* w, const float* s,
+                                                                  int64_t groups, int64_t group) {
+  if (group % 64) return row_u4_avx2(a, w, s, groups, group);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m512 facc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc = _mm512_setzero_si512();
+    const uint8_t* wg = w + g * group / 2;
+    const int8_t* ag = a + g * group;
+    for (int64_t b = 0; b < group / 32; b += 2) {
+      __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 16));
+      __m256i lo = _mm256_and_si256(packed, low);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                     _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      acc = _mm512_dpbusd_epi32(acc, u, _mm512_loadu_si512(ag + b * 32));
+    }
+    facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s[g]), facc);
+  }
+  return _mm512_reduce_add_ps(facc);
+}
+#endif  // __x86_64__
+
+#if defined(__aarch64__)
+// ---------------------------------------------------------------- aarch64: NEON (Armv8.0)
+// s8 x s8 products widened to s16 in pairs (|a| <= 127, |w| <= 128: a pair sums to at most 32512,
+// nibble pairs to 3810), then pairwise-accumulated into s32 lanes.
+inline int32_t dot_i8_neon(const int8_t* a, const int8_t* w, int64_t k) {
+  int32x4_t acc = vdupq_n_s32(0);
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    int8x16_t va = vld1q_s8(a + i), vw = vld1q_s8(w + i);
+    int16x8_t p = vmull_s8(vget_low_s8(va), vget_low_s8(vw));
+    p = vmlal_s8(p, vget_high_s8(va), vget_high_s8(vw));
+    acc = vpadalq_s16(acc, p);
+  }
+  int32_t total = vaddvq_s32(acc);
+  for (; i < k; ++i) total += int32_t(a[i]) * int32_t(w[i]);
+  return total;
+}
+
+inline int32_t group_u4_neon(const int8_t* a, const uint8_t* w, int64_t len) {
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  int32x4_t acc = vdupq_n_s32(0);
+  for (int64_t b = 0; b < len / 32; ++b) {
+    uint8x16_t packed = vld1q_u8(w + b * 16);
+    int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(packed, low)), hi = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));
+    int8x16_t a_lo = vld1q_s8(a + b * 32), a_hi = vld1q_s8(a + b * 32 + 16);
+    int16x8_t p = vmull_s8(vget_low_s8(lo), vget_low_s8(a_lo));
+    p = vmlal_s8(p, vget_high_s8(lo), vget_high_s8(a_lo));
+    acc = vpadalq_s16(acc, p);
+    p = vmull_s8(vget_low_s8(hi), vget_low_s8(a_hi));
+    p = vmlal_s8(p, vget_high_s8(hi), vget_high_s8(a_hi));
+    acc = vpadalq_s16(acc, p);
+  }
+  return vaddvq_s32(acc);
+}
+
+inline float row_u4_neon(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+  float y = 0.f;
+  for (int64_t g = 0; g < groups; ++g) y += float(group_u4_neon(a + g * group, w + g * group / 2, group)) * s[g];
+  return y;
+}
+
+// ---------------------------------------------------------------- aarch64: dotprod (sdot)
+#define CPK_DOTPROD_TARGET "arch=armv8.2-a+dotprod"
+__attribute__((target(CPK_DOTPROD_TARGET))) inline int32_t dot_i8_dotprod(const int8_t* a, const int8_t* w,
+                                                                          int64_t k) {
+  int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    acc0 = vdotq_s32(acc0, vld1q_s8(a + i), vld1q_s8(w + i));
+    acc1 = vdotq_s32(acc1, vld1q_s8(a + i + 16), vld1q_s8(w + i + 16));
+  }
+  for (; i + 16 <= k; i += 16) acc0 = vdotq_s32(acc0, vld1q_s8(a + i), vld1q_s8(w + i));
+  int32_t total = vaddvq_s32(vaddq_s32(acc0, acc1));
+  for (; i < k; ++i) total += int32_t(a[i]) * int32_t(w[i]);
+  return total;
+}
+
+__attribute__((target(CPK_DOTPROD_TARGET))) inline int32_t group_u4_dotprod(const int8_t* a, const uint8_t* w,
+                                                                            int64_t len) {
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
+  for (int64_t b = 0; b < len / 32; ++b) {
+    uint8x16_t packed = vld1q_u8(w + b * 16);
+    acc0 = vdotq_s32(acc0, vreinterpretq_s8_u8(vandq_u8(packed, low)), vld1q_s8(a + b * 32));
+    acc1 = vdotq_s32(acc1, vreinterpretq_s8_u8(vshrq_n_u8(packed, 4)), vld1q_s8(a + b * 32 + 16));
+  }
+  return vaddvq_s32(vaddq_s32(acc0, acc1));
+}
+
+__attribute__((target(CPK_DOTPROD_TARGET))) inline float row_u4_dotprod(const int8_t* a, const uint8_t* w,
+                                                                        const float* s, int64_t groups,
+                                                                        int64_t group) {
+  float y = 0.f;
+  for (int64_t g = 0; g < groups; ++g) y += float(group_u4_dotprod(a + g * group, w + g * group / 2, group)) * s[g];
+  return y;
+}
+
+// ---------------------------------------------------------------- aarch64: I8MM (smmla)
+// smmla multiplies a 2x8 int8 block (two activation rows) by the transpose of another 2x8 block (two
+// weight rows) into a 2x2 int32 tile: 32 multiply-adds per instruction, twice sdot's.
+#define CPK_I8MM_TARGET "arch=armv8.2-a+dotprod+i8mm"
+__attribute__((target(CPK_I8MM_TARGET))) inline int8x16_t rows8(const int8_t* r0, const int8_t* r1) {
+  return vcombine_s8(vld1_s8(r0), vld1_s8(r1));
+}
+
+__attribute__((target(CPK_I8MM_TARGET))) inline void tile_i8_i8mm(const int8_t* a0, const int8_t* a1,
+                                                                  const int8_t* w0, const int8_t* w1, int64_t k,
+                                                                  int32_t* out) {
+  int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    acc0 = vmmlaq_s32(acc0, rows8(a0 + i, a1 + i), rows8(w0 + i, w1 + i));
+    acc1 = vmmlaq_s32(acc1, rows8(a0 + i + 8, a1 + i + 8), rows8(w0 + i + 8, w1 + i + 8));
+  }
+  for (; i + 8 <= k; i += 8) acc0 = vmmlaq_s32(acc0, rows8(a0 + i, a1 + i), rows8(w0 + i, w1 + i));
+  vst1q_s32(out, vaddq_s32(acc0, acc1));
+  for (; i < k; ++i) {
+    out[0] += int32_t(a0[i]) * w0[i];
+    out[1] += int32_t(a0[i]) * w1[i];
+    out[2] += int32_t(a1[i]) * w0[i];
+    out[3] += int32_t(a1[i]) * w1[i];
+  }
+}
+
+// Two 16-byte vectors of 8-element chunks (x = [x0 x1], y = [y0 y1]) -> [x0 y0] and [x1 y1].
+__attribute__((target(CPK_I8MM_TARGET))) inline void zip64(int8x16_t x, int8x16_t y, int8x16_t* first,
+                                                           int8x16_t* second) {
+  int64x2_t x64 = vreinterpretq_s64_s8(x), y64 = vreinterpretq_s64_s8(y);
+  *first = vreinterpretq_s8_s64(vzip1q_s64(x64, y64));
+  *second = vreinterpretq_s8_s64(vzip2q_s64(x64, y64));
+}
+
+__attribute__((target(CPK_I8MM_TARGET))) inline void tile_u4_i8mm(const int8_t* a0, const int8_t* a1,
+                                                                  const uint8_t* w0, const uint8_t* w1,
+                                                                  const float* s0, const float* s1,
+                                                                  int64_t groups, int64_t group, float* out) {
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  float y[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t g = 0; g < groups; ++g) {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int64_t b = 0; b < group / 32; ++b) {
+      const int64_t wo = (g * group + b * 32) / 2, ao = g * group + b * 32;
+      uint8x16_t p0 = vld1q_u8(w0 + wo), p1 = vld1q_u8(w1 + wo);
+      // Weights k0..k0+15 (low nibbles) and k0+16..k0+31 (high nibbles) of both rows.
+      int8x16_t lo0 = vreinterpretq_s8_u8(vandq_u8(p0, low)), lo1 = vreinterpretq_s8_u8(vandq_u8(p1, low));
+      int8x16_t hi0 = vreinterpretq_s8_u8(vshrq_n_u8(p0, 4)), hi1 = vreinterpretq_s8_u8(vshrq_n_u8(p1, 4));
+      int8x16_t wa, wb, wc, wd, xa, xb, xc, xd;
+      zip64(lo0, lo1, &wa, &wb);
+      zip64(hi0, hi1, &wc, &wd);
+      zip64(vld1q_s8(a0 + ao), vld1q_s8(a1 + ao), &xa, &xb);
+      zip64(vld1q_s8(a0 + ao + 16), vld1q_s8(a1 + ao + 16), &xc, &xd);
+      acc = vmmlaq_s32(acc, xa, wa);
+      acc = vmmlaq_s32(acc, xb, wb);
+      acc = vmmlaq_s32(acc, xc, wc);
+      acc = vmmlaq_s32(acc, xd, wd);
+    }
+    // The twin's float update, per output, in the same order: bit-identical results.
+    y[0] += float(vgetq_lane_s32(acc, 0)) * s0[g];
+    y[1] += float(vgetq_lane_s32(acc, 1)) * s1[g];
+    y[2] += float(vgetq_lane_s32(acc, 2)) * s0[g];
+    y[3] += float(vgetq_lane_s32(acc, 3)) * s1[g];
+  }
+  std::memcpy(out, y, sizeof(y));
+}
+#endif  // __aarch64__
+
+// ---------------------------------------------------------------- variants
+inline std::vector<Variant> compiled_variants() {
+  std::vector<Variant> v{{"generic", dot_i8_generic, row_u4_generic, nullptr, nullptr, true}};
+#if defined(__x86_64__)
+  v.push_back({"avx2", dot_i8_avx2, row_u4_avx2, nullptr, nullptr, false});
+  v.push_back({"avx512_vnni", dot_i8_vnni, row_u4_vnni, nullptr, nullptr, false});
+#endif
+#if defined(__aarch64__)
+  v.push_back({"neon", dot_i8_neon, row_u4_neon, nullptr, nullptr, true});
+  v.push_back({"neon_dotprod", dot_i8_dotprod, row_u4_dotprod, nullptr, nullptr, true});
+  v.push_back({"neon_i8mm", dot_i8_dotprod, row_u4_dotprod, tile_i8_i8mm, tile_u4_i8mm, true});
+#endif
+  return v;
+}
+
+inline const Variant* variant_by_name(const std::string& name) {
+  static const std::vector<Variant> all = compiled_variants();
+  for (const Variant& v : all)
+    if (name == v.name) return &v;
+  return nullptr;
+}
+
+// The best variant this CPU runs, from the kernel's own view of the CPU (the platform layer makes
+// the same choice from /proc/cpuinfo; a test checks that they agree).
+inline std::string best_variant() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return "avx512_vnni";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+#elif defined(__aarch64__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  if ((hw & HWCAP_ASIMDDP) && (hw2 & HWCAP2_I8MM)) return "neon_i8mm";
+  if (hw & HWCAP_ASIMDDP) return "neon_dotprod";
+  return "neon";  // Advanced SIMD is mandatory in Armv8-A
+#endif
+  return "generic";
+}
+
+// ---------------------------------------------------------------- activation quantization
+// One token: s = max(amax, 1e-8) / 127, q = round-half-even(x / s) in [-127, 127]; per-group sums
+// (group 0: none).
+inline void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float s = std::fmax(amax, 1e-8f) / 127.0f;
+  *scale = s;
+  for (int64_t i = 0; i < k; ++i) {
+    float v = std::nearbyint(x[i] / s);
+    q[i] = int8_t(std::fmin(127.f, std::fmax(-127.f, v)));
+  }
+  if (group <= 0) return;
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t total = 0;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) total += q[i];
+    sums[g] = total;
+  }
+}
+
+// ---------------------------------------------------------------- one thread's share of a linear
+// Output columns [c0, c1) of out [M, N] (row-major, fp32) from quantized activations qa [M, K] with
+// per-row scales sa, and int8 weights qw [N, K] with per-column scales sw.
+inline void w8a8_columns(const Variant& v, const int8_t* qa, const float* sa, int64_t m, int64_t k,
+                         const int8_t* qw, const float* sw, int64_t n, int64_t c0, int64_t c1, float* out) {
+  auto put = [&](int64_t r, int64_t c, int32_t acc) { out[r * n + c] = (float(acc) * sw[c]) * sa[r]; };
+  int64_t r = 0;
+  if (v.tile_i8 != nullptr) {
+    for (; r + 2 <= m; r += 2) {
+      int64_t c = c0;
+      for (; c + 2 <= c1; c += 2) {
+        int32_t t[4];
+        v.tile_i8(qa + r * k, qa + (r + 1) * k, qw + c * k, qw + (c + 1) * k, k, t);
+        put(r, c, t[0]);
+        put(r, c + 1, t[1]);
+        put(r + 1, c, t[2]);
+        put(r + 1, c + 1, t[3]);
+      }
+      for (; c < c1; ++c) {
+        put(r, c, v.dot_i8(qa + r * k, qw + c * k, k));
+        put(r + 1, c, v.dot_i8(qa + (r + 1) * k, qw + c * k, k));
+      }
+    }
+  }
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t rr = r; rr < m; ++rr) put(rr, c, v.dot_i8(qa + rr * k, qw + c * k, k));
+}
+
+// W4A8: packed nibbles pw [N, K/2], scales sw [N, G], per-row per-group activation sums gs [M, G].
+inline void w4a8_columns(const Variant& v, const int8_t* qa, const float* sa, const int32_t* gs, int64_t m,
+                         int64_t k, const uint8_t* pw, const float* sw, int64_t groups, int64_t n, int64_t c0,
+                         int64_t c1, float* out) {
+  const int64_t group = k / groups;
+  // sum_g s_g * (dot_g(u, a) - 8 * sum_g(a)): the correction is a short scalar dot product.
+  auto put = [&](int64_t r, int64_t c, float dot) {
+    const float* srow = sw + c * groups;
+    float correction = 0.f;
+    for (int64_t g = 0; g < groups; ++g) correction += srow[g] * float(gs[r * groups + g]);
+    out[r * n + c] = (dot - 8.f * correction) * sa[r];
+  };
+  auto row = [&](int64_t r, int64_t c) {
+    return v.row_u4(qa + r * k, pw + c * (k / 2), sw + c * groups, groups, group);
+  };
+  int64_t r = 0;
+  if (v.tile_u4 != nullptr) {
+    for (; r + 2 <= m; r += 2) {
+      int64_t c = c0;
+      for (; c + 2 <= c1; c += 2) {
+        float t[4];
+        v.tile_u4(qa + r * k, qa + (r + 1) * k, pw + c * (k / 2), pw + (c + 1) * (k / 2), sw + c * groups,
+                  sw + (c + 1) * groups, groups, group, t);
+        put(r, c, t[0]);
+        put(r, c + 1, t[1]);
+        put(r + 1, c, t[2]);
+        put(r + 1, c + 1, t[3]);
+      }
+      for (; c < c1; ++c) {
+        put(r, c, row(r, c));
+        put(r + 1, c, row(r + 1, c));
+      }
+    }
+  }
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t rr = r; rr < m; ++rr) put(rr, c, row(rr, c));
+}
+
+// ---------------------------------------------------------------- weight layouts
+// int8 values in [-8, 7], one row of K -> the nibble layout above (K / 2 bytes).
+inline void pack_int4_row(const int8_t* src, int64_t k, uint8_t* dst) {
+  for (int64_t b = 0; b < k / 32; ++b)
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t lo = uint8_t(src[b * 32 + j] + 8), hi = uint8_t(src[b * 32 + 16 + j] + 8);
+      dst[b * 16 + j] = uint8_t(lo | (hi << 4));
+    }
+}
+
+// compressed-tensors pack-quantized int4 (int32 words; word j holds k = 8j..8j+7, value + 8 at bits
+// 4i), one row -> the nibble layout above, without an int8 intermediate.
+inline void words_to_nibbles_row(const uint32_t* row, int64_t k, uint8_t* dst) {
+  auto nibble = [&](int64_t i) { return uint8_t((row[i / 8] >> (4 * (i % 8))) & 0x0F); };
+  for (int64_t b = 0; b < k / 32; ++b)
+    for (int j = 0; j < 16; ++j) dst[b * 16 + j] = uint8_t(nibble(b * 32 + j) | (nibble(b * 32 + 16 + j) << 4));
+}
+
+}  // namespace cpk
