@@ -51,11 +51,11 @@ class ModelRunner:
         if decode_rows:
             longest = max(len(s) for s in decode_slots)
             padded = torch.empty(len(decode_slots), longest, dtype=torch.long)
-            mask = torch.zeros(len(decode_slots), 1, 1, longest, dtype=torch.bool)
+            mask = torch.zeros(len(decode_slots), longest, dtype=torch.bool)
             for i, s in enumerate(decode_slots):
                 padded[i, : len(s)] = s
                 padded[i, len(s) :] = s[0]  # a written slot: masked out, but never garbage (NaN x 0 = NaN)
-                mask[i, 0, 0, : len(s)] = True
+                mask[i, : len(s)] = True
             meta.decode_rows = torch.tensor(decode_rows)
             meta.decode_slots, meta.decode_mask = padded, mask
         return torch.tensor(ids), torch.cat(positions), meta

@@ -2,10 +2,9 @@
 
 K/V live in per-layer slot arrays [num_blocks * block_size, Hkv, D]; a sequence's token at
 position p is in slot block_table[p // block_size] * block_size + p % block_size. Decodes are
-batched into one attention call (padded to the longest context, masked); each prefill chunk is
-one call with a causal mask offset by what is already cached. GQA is passed to torch's attention
-(enable_gqa) instead of repeating K/V here; whether torch then reads each KV head once is torch's
-implementation, not measured here (a native decode attention will make it explicit).
+batched into one grouped attention call (decode_attention: padded to the longest context, masked;
+each KV head read once for the query heads that share it); each prefill chunk is one SDPA call with
+a causal mask offset by what is already cached (GQA passed as enable_gqa).
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cpuserve.model.decode_attention import decode_attention
 
 
 class PagedKVCache:
@@ -48,7 +49,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [Nd] rows of single-token sequences
     decode_slots: torch.Tensor | None  # [Nd, Lmax] context slots, padded
-    decode_mask: torch.Tensor | None  # [Nd, 1, 1, Lmax] True where a real context token is
+    decode_mask: torch.Tensor | None  # [Nd, Lmax] True where a real context token is
     prefills: list[PrefillChunk]
 
 
@@ -68,9 +69,7 @@ class PagedAttention:
             n, length = meta.decode_slots.shape
             keys = kc[meta.decode_slots.view(-1)].view(n, length, *kc.shape[1:]).transpose(1, 2)
             values = vc[meta.decode_slots.view(-1)].view(n, length, *vc.shape[1:]).transpose(1, 2)
-            query = q[meta.decode_rows].unsqueeze(2)  # [Nd, Hq, 1, D]
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, enable_gqa=self.gqa)
-            out[meta.decode_rows] = o.squeeze(2)
+            out[meta.decode_rows] = decode_attention(q[meta.decode_rows], keys, values, meta.decode_mask)
         for chunk in meta.prefills:
             query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]
             keys = kc[chunk.context_slots].transpose(0, 1).unsqueeze(0)
