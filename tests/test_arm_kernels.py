@@ -34,8 +34,18 @@ def test_arm_variants_equal_the_scalar_twin_under_qemu(arm_binary, cpu):
     assert result.returncode == 0, result.stdout + result.stderr
     expected = QEMU_CPUS[cpu]
     assert f"selected variant: {expected}\n" in result.stdout
-    assert f"ok {expected}:" in result.stdout and "[selected]" in result.stdout
-    assert "ok generic:" in result.stdout and "FAILED" not in result.stdout
+    assert f"ok {expected} (two's-complement int4):" in result.stdout and "[selected]" in result.stdout
+    assert "ok generic (offset int4):" in result.stdout and "FAILED" not in result.stdout
+
+
+def test_the_torch_binding_compiles_for_aarch64(arm_binary):
+    """The same qlinear.cpp that `./run setup` builds on an Arm machine, compiled here for aarch64
+    against this torch's headers (no object: torch's aarch64 libraries are not on this machine)."""
+    from cpuserve.kernels.cross_check import compile_binding_for_aarch64
+
+    result = compile_binding_for_aarch64()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " error" not in result.stderr
 
 
 def test_native_variants_equal_the_scalar_twin_without_torch(tmp_path):

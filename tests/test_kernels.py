@@ -43,17 +43,19 @@ def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
     if group and k % group:
         pytest.skip("group does not divide K")
     q, s = _weights(4, group, n, k, n + k)
-    packed = kernels.pack_int4(q)
-    assert torch.equal(unpack_nibbles(packed, k), q)
+    packed = {}  # each variant's own int4 layout (x86: all offset nibbles; Arm NEON: two's complement)
+    for variant in runnable_variants():
+        packed[variant] = kernels.pack_int4(q, variant)
+        assert torch.equal(unpack_nibbles(packed[variant], k, kernels.int4_layout(variant)), q)
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(n, generator=gen)
     for m in MS:
         x = torch.randn(m, k, generator=gen) * 2
-        twin = kernels.w4a8_linear(x, packed, s, bias, "generic")
+        twin = kernels.w4a8_linear(x, packed["generic"], s, bias, "generic")
         ref = reference_forward(x, q, s, bias)
         assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k, group)
         for variant in runnable_variants()[1:]:
-            got = kernels.w4a8_linear(x, packed, s, bias, variant)
+            got = kernels.w4a8_linear(x, packed[variant], s, bias, variant)
             assert (got - twin).abs().max().item() <= REL_BUDGET * twin.abs().max().item() + 1e-6, (variant, m, n)
 
 
@@ -73,7 +75,8 @@ def test_w8a8_variants_equal_the_twin_and_the_reference(kernels, n, k):
 def test_bf16_activations_in_and_out(kernels):
     q, s = _weights(4, 64, 64, 576, 5)
     x = torch.randn(3, 576).to(torch.bfloat16)
-    out = kernels.w4a8_linear(x, kernels.pack_int4(q), s, None, runnable_variants()[-1])
+    variant = runnable_variants()[-1]
+    out = kernels.w4a8_linear(x, kernels.pack_int4(q, variant), s, None, variant)
     assert out.dtype == torch.bfloat16
     ref = reference_forward(x.float(), q, s, None)
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
@@ -106,8 +109,21 @@ def test_pack_quantized_words_go_straight_to_the_kernel_layout(kernels):
     from cpuserve.quant.schemes import pack_int
 
     q = torch.randint(-8, 8, (37, 576), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
-    nibbles = kernels.words_to_nibbles(pack_int(q, 4), 576)
-    assert torch.equal(nibbles, kernels.pack_int4(q)) and torch.equal(unpack_nibbles(nibbles, 576), q)
+    for variant in runnable_variants():
+        nibbles = kernels.words_to_nibbles(pack_int(q, 4), 576, variant)
+        layout = kernels.int4_layout(variant)
+        assert torch.equal(nibbles, kernels.pack_int4(q, variant))
+        assert torch.equal(unpack_nibbles(nibbles, 576, layout), q)
+
+
+def test_unpack_reads_both_int4_layouts():
+    """The two's-complement layout (Arm) is checked here on x86 too, from bytes built by hand."""
+    q = torch.randint(-8, 8, (5, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    blocks = q.view(5, 2, 32).to(torch.int16)
+    offset = ((blocks[..., :16] + 8) | ((blocks[..., 16:] + 8) << 4)).to(torch.uint8).view(5, 32)
+    twos = ((blocks[..., :16] & 0xF) | ((blocks[..., 16:] & 0xF) << 4)).to(torch.uint8).view(5, 32)
+    assert torch.equal(unpack_nibbles(offset, 64, "offset"), q)
+    assert torch.equal(unpack_nibbles(twos, 64, "twos_complement"), q)
 
 
 def test_one_openmp_runtime_in_the_process(kernels):

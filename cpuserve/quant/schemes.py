@@ -49,10 +49,15 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp(-127, 127), scale
 
 
-def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The native int4 layout (uint8 [N, K/2], 16 bytes per 32 values) back to int8 [N, K]."""
+def unpack_nibbles(packed: torch.Tensor, k: int, layout: str = "offset") -> torch.Tensor:
+    """A native int4 layout (uint8 [N, K/2], 16 bytes per 32 values; nibbles value + 8 for `offset`,
+    the value's two's complement for `twos_complement`) back to int8 [N, K]."""
     b = packed.view(packed.shape[0], k // 32, 16)
-    lo, hi = (b & 0x0F).to(torch.int8) - 8, (b >> 4).to(torch.int8) - 8
+    lo, hi = (b & 0x0F).to(torch.int8), (b >> 4).to(torch.int8)
+    if layout == "offset":
+        lo, hi = lo - 8, hi - 8
+    else:
+        lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
     return torch.cat((lo, hi), dim=-1).view(packed.shape[0], k)
 
 
@@ -70,6 +75,7 @@ class QuantLinear(nn.Module):
         self.native = None  # the kernel module, once use_native() succeeded
         self.variant = "reference"
         self.packed: torch.Tensor | None = None  # int4 in the kernel's nibble layout
+        self.packed_layout = "offset"  # which one (kernels.int4_layout of the variant that packed it)
 
     def use_native(self, kernels, variant: str) -> bool:  # type: ignore[no-untyped-def]
         """Switch to a native variant when the shapes fit it; the int4 weight is repacked (and the
@@ -77,15 +83,21 @@ class QuantLinear(nn.Module):
         group = self.quant.group_size or self.in_features
         if self.in_features % 32 or group % 32:
             return False
-        if self.quant.bits == 4 and self.packed is None:
-            self.packed = kernels.pack_int4(self.qweight)
         if self.quant.bits == 4:
+            layout = kernels.int4_layout(variant)
+            if self.packed is None:
+                self.packed = kernels.pack_int4(self.qweight, variant)
+            elif self.packed_layout != layout:  # packed for another variant's layout
+                self.packed = kernels.pack_int4(self.int_weight(), variant)
+            self.packed_layout = layout
             self.qweight = None
         self.native, self.variant = kernels, variant
         return True
 
     def int_weight(self) -> torch.Tensor:
-        return self.qweight if self.qweight is not None else unpack_nibbles(self.packed, self.in_features)
+        if self.qweight is not None:
+            return self.qweight
+        return unpack_nibbles(self.packed, self.in_features, self.packed_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is None:
@@ -159,13 +171,16 @@ def expected_tensors(prefix: str, quant: WeightQuant, n: int, k: int) -> dict[st
 
 
 def _native_for_load(quant: WeightQuant, k: int):  # type: ignore[no-untyped-def]
-    """The kernel module when int4 weights will run natively (so they can be repacked directly)."""
+    """(kernel module, variant) when int4 weights will run natively (so they can be repacked
+    directly into that variant's layout), else None."""
     group = quant.group_size or k
     if quant.bits != 4 or k % 32 or group % 32:
         return None
     from cpuserve.kernels import native, selected_variant
 
-    return native() if selected_variant() != "reference" else None
+    variant = selected_variant()
+    kernels = native() if variant != "reference" else None
+    return (kernels, variant) if kernels is not None else None
 
 
 def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # type: ignore[no-untyped-def]
@@ -204,9 +219,11 @@ def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # typ
                 f"expected {[n, k]} from config.json"
             )
         words = fetch(f"{prefix}.weight_packed", (torch.int32,))
-        kernels = _native_for_load(quant, k)
-        if kernels is not None:  # straight to the kernel's layout: no int8 copy of the weight
-            module.packed = kernels.words_to_nibbles(words, k)
+        native = _native_for_load(quant, k)
+        if native is not None:  # straight to the kernel's layout: no int8 copy of the weight
+            kernels, variant = native
+            module.packed = kernels.words_to_nibbles(words, k, variant)
+            module.packed_layout = kernels.int4_layout(variant)
             module.qweight = None
             module.scales = scale.contiguous()
             return

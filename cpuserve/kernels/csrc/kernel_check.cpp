@@ -43,6 +43,21 @@ bool runs_here(const std::string& name) {
 int failures = 0;
 long checks = 0;
 
+// The two twins must agree on the integers: a row packed both ways, the same dot product.
+bool layouts_agree(Rng& rng) {
+  const int64_t k = 256;
+  std::vector<int8_t> a(k), w(k);
+  for (auto& e : a) e = int8_t(rng.range(-127, 127));
+  for (auto& e : w) e = int8_t(rng.range(-8, 7));
+  std::vector<uint8_t> off(k / 2), twos(k / 2);
+  cpk::pack_int4_row(w.data(), k, off.data(), cpk::Int4Layout::Offset);
+  cpk::pack_int4_row(w.data(), k, twos.data(), cpk::Int4Layout::TwosComplement);
+  int32_t sum_a = 0;
+  for (auto e : a) sum_a += e;
+  return cpk::dot_s4_generic(a.data(), twos.data(), k) == cpk::dot_u4_generic(a.data(), off.data(), k) - 8 * sum_a &&
+         cpk::dot_s4_generic(a.data(), twos.data(), k) == cpk::dot_i8_generic(a.data(), w.data(), k);
+}
+
 void fail(const char* what, const char* variant, int64_t m, int64_t n, int64_t k, int64_t group, double got,
           double want) {
   if (failures++ < 10)
@@ -50,8 +65,8 @@ void fail(const char* what, const char* variant, int64_t m, int64_t n, int64_t k
                 (long long)n, (long long)k, (long long)group, got, want);
 }
 
-void check_shape(const cpk::Variant& v, const cpk::Variant& twin, Rng& rng, int64_t m, int64_t n, int64_t k,
-                 int64_t group) {
+void check_shape(const cpk::Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t group) {
+  const cpk::Variant& twin = cpk::twin_for(v.layout);  // the scalar twin of the variant's int4 layout
   // Activations with a few outliers, quantized per token as the kernels do.
   std::vector<float> x(m * k);
   for (auto& e : x) e = rng.uniform() * (rng.range(0, 50) == 0 ? 20.f : 1.f);
@@ -90,7 +105,7 @@ void check_shape(const cpk::Variant& v, const cpk::Variant& twin, Rng& rng, int6
   std::vector<int8_t> w4(n * k);
   for (auto& e : w4) e = int8_t(rng.range(-8, 7));
   std::vector<uint8_t> packed(n * k / 2);
-  for (int64_t c = 0; c < n; ++c) cpk::pack_int4_row(w4.data() + c * k, k, packed.data() + c * (k / 2));
+  for (int64_t c = 0; c < n; ++c) cpk::pack_int4_row(w4.data() + c * k, k, packed.data() + c * (k / 2), v.layout);
   std::vector<float> s4(n * groups);
   for (auto& e : s4) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
   cpk::w4a8_columns(v, qa.data(), sa.data(), gs.data(), m, k, packed.data(), s4.data(), groups, n, 0, split,
@@ -133,8 +148,11 @@ int main(int argc, char** argv) {
     for (const cpk::Variant& v : cpk::compiled_variants())
       if (runs_here(v.name)) todo.push_back(cpk::variant_by_name(v.name));
   }
-  const cpk::Variant& twin = *cpk::variant_by_name("generic");
   Rng rng;
+  if (!layouts_agree(rng)) {
+    std::printf("FAILED: the offset and two's-complement twins disagree\n");
+    return 1;
+  }
   const int64_t ns[] = {1, 2, 3, 7, 16, 33};
   const int64_t ks[] = {128, 384, 1024, 4096};
   const int64_t group_sizes[] = {32, 64, 128, 0};
@@ -146,10 +164,11 @@ int main(int argc, char** argv) {
         for (int64_t k : ks)
           for (int64_t group : group_sizes) {
             if (k == 4096 && (m % 4 != 1 || n > 7)) continue;  // the big K on a sample of shapes
-            check_shape(*v, twin, rng, m, n, k, group);
+            check_shape(*v, rng, m, n, k, group);
           }
-    std::printf("%s %s: %ld checks (M 1..17, N %s, K 128..4096, groups 32/64/128/channel)%s\n",
-                failures == failed_before ? "ok" : "FAILED", v->name, checks - before, "1..33",
+    std::printf("%s %s (%s int4): %ld checks (M 1..17, N %s, K 128..4096, groups 32/64/128/channel)%s\n",
+                failures == failed_before ? "ok" : "FAILED", v->name,
+                v->layout == cpk::Int4Layout::Offset ? "offset" : "two's-complement", checks - before, "1..33",
                 std::string(v->name) == best ? " [selected]" : "");
   }
   return failures == 0 ? 0 : 1;

@@ -78,8 +78,9 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return finish(out, bias, x.scalar_type());
 }
 
-// int8 values in [-8, 7], [N, K] -> the nibble layout, uint8 [N, K / 2].
-torch::Tensor pack_int4(torch::Tensor q) {
+// int8 values in [-8, 7], [N, K] -> the variant's nibble layout, uint8 [N, K / 2].
+torch::Tensor pack_int4(torch::Tensor q, std::string variant) {
+  const cpk::Int4Layout layout = variant_or_fail(variant).layout;
   const int64_t n = q.size(0), k = q.size(1);
   TORCH_CHECK(k % 32 == 0, "pack_int4: K must be a multiple of 32");
   auto src_t = q.contiguous();
@@ -87,13 +88,14 @@ torch::Tensor pack_int4(torch::Tensor q) {
   const int8_t* src = src_t.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) cpk::pack_int4_row(src + r * k, k, dst + r * (k / 2));
+    for (int64_t r = begin; r < end; ++r) cpk::pack_int4_row(src + r * k, k, dst + r * (k / 2), layout);
   });
   return out;
 }
 
-// compressed-tensors pack-quantized int32 words [N, W] -> the nibble layout, uint8 [N, K / 2].
-torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k) {
+// compressed-tensors pack-quantized int32 words [N, W] -> the variant's nibble layout, uint8 [N, K / 2].
+torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k, std::string variant) {
+  const cpk::Int4Layout layout = variant_or_fail(variant).layout;
   const int64_t n = words.size(0), w = words.size(1);
   TORCH_CHECK(k % 32 == 0 && w * 8 >= k, "words_to_nibbles: K must be a multiple of 32 and fit the words");
   auto src_t = words.contiguous();
@@ -101,9 +103,13 @@ torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k) {
   auto out = torch::empty({n, k / 2}, torch::kUInt8);
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) cpk::words_to_nibbles_row(src + r * w, k, dst + r * (k / 2));
+    for (int64_t r = begin; r < end; ++r) cpk::words_to_nibbles_row(src + r * w, k, dst + r * (k / 2), layout);
   });
   return out;
+}
+
+std::string int4_layout(std::string variant) {
+  return variant_or_fail(variant).layout == cpk::Int4Layout::Offset ? "offset" : "twos_complement";
 }
 
 std::vector<std::string> variants() {
@@ -117,6 +123,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
   mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");
+  mod.def("int4_layout", &int4_layout, "offset or twos_complement: how the variant stores int4 nibbles");
   mod.def("variants", &variants, "variants compiled in (the CPU decides which can run)");
   mod.def("best_variant", &cpk::best_variant, "the best variant for this CPU, as the kernel sees it");
 }

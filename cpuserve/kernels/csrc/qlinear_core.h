@@ -11,10 +11,13 @@
 // scalar float update as the twin (bit-identical); the x86 variants keep per-group products in
 // vector lanes (equal within float rounding).
 //
-// Int4 layout (repacked at load): per row, per 32-element block, 16 bytes; byte j holds
-// w[k0 + j] + 8 in its low nibble and w[k0 + 16 + j] + 8 in its high nibble. Dot products use the
-// unsigned nibbles (0..15) directly and subtract 8 * sum(activations of the group), which the
-// activation quantizer computes once per token and group.
+// Int4 layouts (repacked at load, chosen by the variant): per row, per 32-element block, 16 bytes;
+// byte j holds w[k0 + j] in its low nibble and w[k0 + 16 + j] in its high nibble, as
+//   Offset (x86, generic): w + 8, unsigned 0..15. Dot products use the unsigned nibble (the u8 operand
+//     of maddubs / dpbusd) and subtract 8 * sum(activations of the group), which the activation
+//     quantizer computes once per token and group.
+//   TwosComplement (aarch64 NEON): w & 0xF. `shl #4` of the byte and `and #0xF0` give 16 * w as int8
+//     with no correction; the group's int32 sum is divided by 16 (exact) before the float update.
 #pragma once
 
 #include <cmath>
@@ -48,13 +51,16 @@ using TileI8 = void (*)(const int8_t*, const int8_t*, const int8_t*, const int8_
 using TileU4 = void (*)(const int8_t*, const int8_t*, const uint8_t*, const uint8_t*, const float*, const float*,
                         int64_t, int64_t, float*);
 
+enum class Int4Layout { Offset, TwosComplement };
+
 struct Variant {
   const char* name;
   DotI8 dot_i8;
   RowU4 row_u4;
   TileI8 tile_i8;
   TileU4 tile_u4;
-  bool w4_exact;  // W4A8 bit-identical to the generic twin
+  bool w4_exact;  // W4A8 bit-identical to the generic twin of its layout
+  Int4Layout layout;
 };
 
 // ---------------------------------------------------------------- generic (scalar) twins
@@ -81,6 +87,26 @@ inline int32_t dot_u4_generic(const int8_t* a, const uint8_t* w, int64_t len) {
 inline float row_u4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
   float y = 0.f;
   for (int64_t g = 0; g < groups; ++g) y += float(dot_u4_generic(a + g * group, w + g * group / 2, group)) * s[g];
+  return y;
+}
+
+// The same over two's-complement nibbles (the Arm layout): the signed value of each nibble.
+inline int32_t dot_s4_generic(const int8_t* a, const uint8_t* w, int64_t len) {
+  int32_t acc = 0;
+  for (int64_t b = 0; b < len / 32; ++b) {
+    const uint8_t* wb = w + b * 16;
+    const int8_t* ab = a + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      acc += int32_t(int8_t(uint8_t(wb[j] << 4)) >> 4) * int32_t(ab[j]);
+      acc += int32_t(int8_t(wb[j] & 0xF0) >> 4) * int32_t(ab[16 + j]);
+    }
+  }
+  return acc;
+}
+
+inline float row_s4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+  float y = 0.f;
+  for (int64_t g = 0; g < groups; ++g) y += float(dot_s4_generic(a + g * group, w + g * group / 2, group)) * s[g];
   return y;
 }
 
@@ -193,12 +219,14 @@ inline int32_t dot_i8_neon(const int8_t* a, const int8_t* w, int64_t k) {
   return total;
 }
 
-inline int32_t group_u4_neon(const int8_t* a, const uint8_t* w, int64_t len) {
-  const uint8x16_t low = vdupq_n_u8(0x0F);
+// Two's-complement nibbles: shl #4 gives 16 * low value, and #0xF0 gives 16 * high value, both as
+// int8; |16 w * a| <= 128 * 127, so a pair still fits int16. The group's sum is 16x, divided exactly.
+inline int32_t group_s4_neon(const int8_t* a, const uint8_t* w, int64_t len) {
+  const int8x16_t high = vdupq_n_s8(int8_t(0xF0));
   int32x4_t acc = vdupq_n_s32(0);
   for (int64_t b = 0; b < len / 32; ++b) {
-    uint8x16_t packed = vld1q_u8(w + b * 16);
-    int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(packed, low)), hi = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));
+    int8x16_t packed = vld1q_s8(reinterpret_cast<const int8_t*>(w + b * 16));
+    int8x16_t lo = vshlq_n_s8(packed, 4), hi = vandq_s8(packed, high);
     int8x16_t a_lo = vld1q_s8(a + b * 32), a_hi = vld1q_s8(a + b * 32 + 16);
     int16x8_t p = vmull_s8(vget_low_s8(lo), vget_low_s8(a_lo));
     p = vmlal_s8(p, vget_high_s8(lo), vget_high_s8(a_lo));
@@ -207,12 +235,12 @@ inline int32_t group_u4_neon(const int8_t* a, const uint8_t* w, int64_t len) {
     p = vmlal_s8(p, vget_high_s8(hi), vget_high_s8(a_hi));
     acc = vpadalq_s16(acc, p);
   }
-  return vaddvq_s32(acc);
+  return vaddvq_s32(acc) >> 4;
 }
 
-inline float row_u4_neon(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+inline float row_s4_neon(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
   float y = 0.f;
-  for (int64_t g = 0; g < groups; ++g) y += float(group_u4_neon(a + g * group, w + g * group / 2, group)) * s[g];
+  for (int64_t g = 0; g < groups; ++g) y += float(group_s4_neon(a + g * group, w + g * group / 2, group)) * s[g];
   return y;
 }
 
@@ -232,23 +260,23 @@ __attribute__((target(CPK_DOTPROD_TARGET))) inline int32_t dot_i8_dotprod(const 
   return total;
 }
 
-__attribute__((target(CPK_DOTPROD_TARGET))) inline int32_t group_u4_dotprod(const int8_t* a, const uint8_t* w,
+__attribute__((target(CPK_DOTPROD_TARGET))) inline int32_t group_s4_dotprod(const int8_t* a, const uint8_t* w,
                                                                             int64_t len) {
-  const uint8x16_t low = vdupq_n_u8(0x0F);
+  const int8x16_t high = vdupq_n_s8(int8_t(0xF0));
   int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
   for (int64_t b = 0; b < len / 32; ++b) {
-    uint8x16_t packed = vld1q_u8(w + b * 16);
-    acc0 = vdotq_s32(acc0, vreinterpretq_s8_u8(vandq_u8(packed, low)), vld1q_s8(a + b * 32));
-    acc1 = vdotq_s32(acc1, vreinterpretq_s8_u8(vshrq_n_u8(packed, 4)), vld1q_s8(a + b * 32 + 16));
+    int8x16_t packed = vld1q_s8(reinterpret_cast<const int8_t*>(w + b * 16));
+    acc0 = vdotq_s32(acc0, vshlq_n_s8(packed, 4), vld1q_s8(a + b * 32));
+    acc1 = vdotq_s32(acc1, vandq_s8(packed, high), vld1q_s8(a + b * 32 + 16));
   }
-  return vaddvq_s32(vaddq_s32(acc0, acc1));
+  return vaddvq_s32(vaddq_s32(acc0, acc1)) >> 4;
 }
 
-__attribute__((target(CPK_DOTPROD_TARGET))) inline float row_u4_dotprod(const int8_t* a, const uint8_t* w,
+__attribute__((target(CPK_DOTPROD_TARGET))) inline float row_s4_dotprod(const int8_t* a, const uint8_t* w,
                                                                         const float* s, int64_t groups,
                                                                         int64_t group) {
   float y = 0.f;
-  for (int64_t g = 0; g < groups; ++g) y += float(group_u4_dotprod(a + g * group, w + g * group / 2, group)) * s[g];
+  for (int64_t g = 0; g < groups; ++g) y += float(group_s4_dotprod(a + g * group, w + g * group / 2, group)) * s[g];
   return y;
 }
 
@@ -287,20 +315,21 @@ __attribute__((target(CPK_I8MM_TARGET))) inline void zip64(int8x16_t x, int8x16_
   *second = vreinterpretq_s8_s64(vzip2q_s64(x64, y64));
 }
 
-__attribute__((target(CPK_I8MM_TARGET))) inline void tile_u4_i8mm(const int8_t* a0, const int8_t* a1,
+__attribute__((target(CPK_I8MM_TARGET))) inline void tile_s4_i8mm(const int8_t* a0, const int8_t* a1,
                                                                   const uint8_t* w0, const uint8_t* w1,
                                                                   const float* s0, const float* s1,
                                                                   int64_t groups, int64_t group, float* out) {
-  const uint8x16_t low = vdupq_n_u8(0x0F);
+  const int8x16_t high = vdupq_n_s8(int8_t(0xF0));
   float y[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t g = 0; g < groups; ++g) {
     int32x4_t acc = vdupq_n_s32(0);
     for (int64_t b = 0; b < group / 32; ++b) {
       const int64_t wo = (g * group + b * 32) / 2, ao = g * group + b * 32;
-      uint8x16_t p0 = vld1q_u8(w0 + wo), p1 = vld1q_u8(w1 + wo);
-      // Weights k0..k0+15 (low nibbles) and k0+16..k0+31 (high nibbles) of both rows.
-      int8x16_t lo0 = vreinterpretq_s8_u8(vandq_u8(p0, low)), lo1 = vreinterpretq_s8_u8(vandq_u8(p1, low));
-      int8x16_t hi0 = vreinterpretq_s8_u8(vshrq_n_u8(p0, 4)), hi1 = vreinterpretq_s8_u8(vshrq_n_u8(p1, 4));
+      int8x16_t p0 = vld1q_s8(reinterpret_cast<const int8_t*>(w0 + wo));
+      int8x16_t p1 = vld1q_s8(reinterpret_cast<const int8_t*>(w1 + wo));
+      // 16 x the weights k0..k0+15 (low nibbles) and k0+16..k0+31 (high nibbles) of both rows.
+      int8x16_t lo0 = vshlq_n_s8(p0, 4), lo1 = vshlq_n_s8(p1, 4);
+      int8x16_t hi0 = vandq_s8(p0, high), hi1 = vandq_s8(p1, high);
       int8x16_t wa, wb, wc, wd, xa, xb, xc, xd;
       zip64(lo0, lo1, &wa, &wb);
       zip64(hi0, hi1, &wc, &wd);
@@ -311,6 +340,7 @@ __attribute__((target(CPK_I8MM_TARGET))) inline void tile_u4_i8mm(const int8_t* 
       acc = vmmlaq_s32(acc, xc, wc);
       acc = vmmlaq_s32(acc, xd, wd);
     }
+    acc = vshrq_n_s32(acc, 4);  // 16 x the exact sums: exact division
     // The twin's float update, per output, in the same order: bit-identical results.
     y[0] += float(vgetq_lane_s32(acc, 0)) * s0[g];
     y[1] += float(vgetq_lane_s32(acc, 1)) * s1[g];
@@ -323,17 +353,26 @@ __attribute__((target(CPK_I8MM_TARGET))) inline void tile_u4_i8mm(const int8_t* 
 
 // ---------------------------------------------------------------- variants
 inline std::vector<Variant> compiled_variants() {
-  std::vector<Variant> v{{"generic", dot_i8_generic, row_u4_generic, nullptr, nullptr, true}};
+  using L = Int4Layout;
+  std::vector<Variant> v{{"generic", dot_i8_generic, row_u4_generic, nullptr, nullptr, true, L::Offset}};
 #if defined(__x86_64__)
-  v.push_back({"avx2", dot_i8_avx2, row_u4_avx2, nullptr, nullptr, false});
-  v.push_back({"avx512_vnni", dot_i8_vnni, row_u4_vnni, nullptr, nullptr, false});
+  v.push_back({"avx2", dot_i8_avx2, row_u4_avx2, nullptr, nullptr, false, L::Offset});
+  v.push_back({"avx512_vnni", dot_i8_vnni, row_u4_vnni, nullptr, nullptr, false, L::Offset});
 #endif
 #if defined(__aarch64__)
-  v.push_back({"neon", dot_i8_neon, row_u4_neon, nullptr, nullptr, true});
-  v.push_back({"neon_dotprod", dot_i8_dotprod, row_u4_dotprod, nullptr, nullptr, true});
-  v.push_back({"neon_i8mm", dot_i8_dotprod, row_u4_dotprod, tile_i8_i8mm, tile_u4_i8mm, true});
+  v.push_back({"neon", dot_i8_neon, row_s4_neon, nullptr, nullptr, true, L::TwosComplement});
+  v.push_back({"neon_dotprod", dot_i8_dotprod, row_s4_dotprod, nullptr, nullptr, true, L::TwosComplement});
+  v.push_back({"neon_i8mm", dot_i8_dotprod, row_s4_dotprod, tile_i8_i8mm, tile_s4_i8mm, true, L::TwosComplement});
 #endif
   return v;
+}
+
+// The scalar twin for a layout: what every variant of that layout is checked against.
+inline const Variant& twin_for(Int4Layout layout) {
+  static const Variant offset{"generic", dot_i8_generic, row_u4_generic, nullptr, nullptr, true, Int4Layout::Offset};
+  static const Variant twos{"generic", dot_i8_generic, row_s4_generic, nullptr, nullptr, true,
+                            Int4Layout::TwosComplement};
+  return layout == Int4Layout::Offset ? offset : twos;
 }
 
 inline const Variant* variant_by_name(const std::string& name) {
@@ -409,16 +448,20 @@ inline void w8a8_columns(const Variant& v, const int8_t* qa, const float* sa, in
     for (int64_t rr = r; rr < m; ++rr) put(rr, c, v.dot_i8(qa + rr * k, qw + c * k, k));
 }
 
-// W4A8: packed nibbles pw [N, K/2], scales sw [N, G], per-row per-group activation sums gs [M, G].
+// W4A8: packed nibbles pw [N, K/2] in the variant's layout, scales sw [N, G], per-row per-group
+// activation sums gs [M, G] (used by the offset layout only).
 inline void w4a8_columns(const Variant& v, const int8_t* qa, const float* sa, const int32_t* gs, int64_t m,
                          int64_t k, const uint8_t* pw, const float* sw, int64_t groups, int64_t n, int64_t c0,
                          int64_t c1, float* out) {
   const int64_t group = k / groups;
-  // sum_g s_g * (dot_g(u, a) - 8 * sum_g(a)): the correction is a short scalar dot product.
+  const bool offset = v.layout == Int4Layout::Offset;
+  // Offset nibbles: sum_g s_g * (dot_g(u, a) - 8 * sum_g(a)), the correction a short scalar dot product.
   auto put = [&](int64_t r, int64_t c, float dot) {
-    const float* srow = sw + c * groups;
     float correction = 0.f;
-    for (int64_t g = 0; g < groups; ++g) correction += srow[g] * float(gs[r * groups + g]);
+    if (offset) {
+      const float* srow = sw + c * groups;
+      for (int64_t g = 0; g < groups; ++g) correction += srow[g] * float(gs[r * groups + g]);
+    }
     out[r * n + c] = (dot - 8.f * correction) * sa[r];
   };
   auto row = [&](int64_t r, int64_t c) {
@@ -448,19 +491,24 @@ inline void w4a8_columns(const Variant& v, const int8_t* qa, const float* sa, co
 }
 
 // ---------------------------------------------------------------- weight layouts
-// int8 values in [-8, 7], one row of K -> the nibble layout above (K / 2 bytes).
-inline void pack_int4_row(const int8_t* src, int64_t k, uint8_t* dst) {
+// One nibble of value v in [-8, 7] in a layout.
+inline uint8_t nibble_of(int v, Int4Layout layout) {
+  return layout == Int4Layout::Offset ? uint8_t(v + 8) : uint8_t(v & 0x0F);
+}
+
+// int8 values in [-8, 7], one row of K -> the layout above (K / 2 bytes).
+inline void pack_int4_row(const int8_t* src, int64_t k, uint8_t* dst, Int4Layout layout) {
   for (int64_t b = 0; b < k / 32; ++b)
-    for (int j = 0; j < 16; ++j) {
-      const uint8_t lo = uint8_t(src[b * 32 + j] + 8), hi = uint8_t(src[b * 32 + 16 + j] + 8);
-      dst[b * 16 + j] = uint8_t(lo | (hi << 4));
-    }
+    for (int j = 0; j < 16; ++j)
+      dst[b * 16 + j] = uint8_t(nibble_of(src[b * 32 + j], layout) | (nibble_of(src[b * 32 + 16 + j], layout) << 4));
 }
 
 // compressed-tensors pack-quantized int4 (int32 words; word j holds k = 8j..8j+7, value + 8 at bits
-// 4i), one row -> the nibble layout above, without an int8 intermediate.
-inline void words_to_nibbles_row(const uint32_t* row, int64_t k, uint8_t* dst) {
-  auto nibble = [&](int64_t i) { return uint8_t((row[i / 8] >> (4 * (i % 8))) & 0x0F); };
+// 4i), one row -> the layout above, without an int8 intermediate (value + 8 xor 8 is the value's
+// two's-complement nibble).
+inline void words_to_nibbles_row(const uint32_t* row, int64_t k, uint8_t* dst, Int4Layout layout) {
+  const uint8_t flip = layout == Int4Layout::Offset ? 0 : 0x8;
+  auto nibble = [&](int64_t i) { return uint8_t(((row[i / 8] >> (4 * (i % 8))) & 0x0F) ^ flip); };
   for (int64_t b = 0; b < k / 32; ++b)
     for (int j = 0; j < 16; ++j) dst[b * 16 + j] = uint8_t(nibble(b * 32 + j) | (nibble(b * 32 + 16 + j) << 4));
 }
