@@ -21,7 +21,19 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def base_args(smol_dir, *extra: str) -> list[str]:
-    return [str(smol_dir), "--max-model-len", "1024", "--max-num-seqs", "8", "--api-key", KEY, *extra]
+    # float32: batched and alone compute the same logits, so "undisturbed" can mean identical tokens
+    return [
+        str(smol_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--api-key",
+        KEY,
+        *extra,
+    ]
 
 
 def env(cache_dir) -> dict[str, str]:
