@@ -97,11 +97,11 @@ def quantized(smol_dir, tmp_path_factory):
 
 
 def test_round_trip_each_layer_against_its_reference(smol_dir, quantized):
-    base = load_model(smol_dir, "float32")
+    base = load_model(smol_dir, "float32", fuse=False)
     linears = {n: m for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     x = torch.randn(6, 1536, generator=torch.Generator().manual_seed(0))
     budgets = {"w4a8": 0.25, "w4a8-packed": 0.25, "w8a8": 0.03}  # relative error vs the unquantized layer
-    loaded = {kind: load_model(path, "float32") for kind, path in quantized.items()}
+    loaded = {kind: load_model(path, "float32", fuse=False) for kind, path in quantized.items()}
     for name, ref_linear in linears.items():
         xi = x[:, : ref_linear.in_features]
         exact = ref_linear(xi)
@@ -156,7 +156,7 @@ def test_llmcompressor_checkpoints_load_and_match_its_fake_quantized_model(schem
     """llmcompressor's logits come from its own bf16 fake-quantized forward (activation scale
     amax/127.5, bf16 arithmetic); ours are exact integer math in fp32, hence the budget."""
     expected = load_file(str(FIXTURES / f"{scheme}-expected.safetensors"))
-    model = load_model(FIXTURES / scheme, "float32")
+    model = load_model(FIXTURES / scheme, "float32", fuse=False)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14  # 7 per layer, lm_head ignored
     got = model(expected["input_ids"])
     ref = expected["logits"]

@@ -86,6 +86,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj: nn.Module | None = None  # q/k/v fused after loading (model/fusion.py)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -95,9 +96,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, spec.num_heads, spec.head_dim)
-        k = self.k_proj(x).view(*lead, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(x).view(*lead, spec.num_kv_heads, spec.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*lead, spec.num_heads, spec.head_dim)
+        k = k.reshape(*lead, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(*lead, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
@@ -111,9 +116,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # gate/up fused after loading (model/fusion.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,7 @@ from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import ModelSpec, load_spec
 from cpuserve.model.decoder import CausalLM
+from cpuserve.model.fusion import fuse_projections
 from cpuserve.quant.config import QuantConfig, WeightQuant
 from cpuserve.quant.schemes import QuantLinear, expected_tensors, load_quantized, use_native_kernels
 
@@ -80,9 +81,15 @@ def _quantize_lm_head(model: CausalLM, kind: str) -> None:
 
 
 def load_model(
-    model_dir: Path, dtype: str = "auto", progress: bool = False, quantize_lm_head: str | None = None
+    model_dir: Path,
+    dtype: str = "auto",
+    progress: bool = False,
+    quantize_lm_head: str | None = None,
+    fuse: bool = True,
 ) -> CausalLM:
-    """Load config and weights; raise CheckpointError naming the tensor on any mismatch."""
+    """Load config and weights; raise CheckpointError naming the tensor on any mismatch. With fuse,
+    q/k/v and gate/up become one linear each (model/fusion.py); tools that need the checkpoint's
+    modules one by one (calibration, per-layer tests) pass fuse=False."""
     spec = load_spec(model_dir)
     torch_dtype = resolve_dtype(dtype, spec)
     with torch.device("meta"):
@@ -152,6 +159,9 @@ def load_model(
         quantized["lm_head"] = model.lm_head
     if quantized:
         log.info("quantized linears: %s", use_native_kernels(model))
+    if fuse:
+        fused = fuse_projections(model)
+        log.debug("fused %d of %d q/k/v and gate/up groups", fused, 2 * spec.num_layers)
     log.info(
         "loaded %s from %s: %d layers, hidden %d, %s",
         spec.architecture,

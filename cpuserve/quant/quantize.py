@@ -227,6 +227,6 @@ def _calibrate(
 
     spec = load_spec(src)
     windows = calibration_windows(Tokenizer(src), texts, tokens, window)
-    model = load_model(src, "float32", progress=progress)
+    model = load_model(src, "float32", progress=progress, fuse=False)  # smoothing works per projection
     storage = getattr(torch, spec.torch_dtype, torch.bfloat16)
     return calibrate_and_quantize(model, windows, targets, quantizer, opts, storage, progress)

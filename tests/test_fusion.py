@@ -1,0 +1,41 @@
+"""q/k/v and gate/up fused after loading compute what the separate projections computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpuserve.model.loader import load_model
+from cpuserve.quant.quantize import quantize_checkpoint
+from cpuserve.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def ids(smol_dir):
+    return torch.tensor([Tokenizer(smol_dir).encode("The quick brown fox jumps over the lazy dog. " * 8)])
+
+
+def _fused_count(model) -> int:
+    layers = model.model.layers
+    return sum(layer.self_attn.qkv_proj is not None for layer in layers) + sum(
+        layer.mlp.gate_up_proj is not None for layer in layers
+    )
+
+
+def test_fused_float_model_equals_unfused(smol_dir, ids):
+    fused, plain = load_model(smol_dir, "float32"), load_model(smol_dir, "float32", fuse=False)
+    assert _fused_count(fused) == 2 * len(fused.model.layers) and _fused_count(plain) == 0
+    assert not hasattr(fused.model.layers[0].self_attn, "q_proj")
+    a, b = fused(ids)[0], plain(ids)[0]
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()  # matmul blocking may differ with N
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("scheme,group", [("w4a8", 64), ("w8a8", None)])
+def test_fused_quantized_model_is_bit_identical(smol_dir, ids, tmp_path, scheme, group):
+    """The native kernels' per-column arithmetic does not depend on N: fusing changes no bit."""
+    path = quantize_checkpoint(smol_dir, tmp_path / scheme, scheme, group, progress=False)
+    fused, plain = load_model(path, "float32"), load_model(path, "float32", fuse=False)
+    assert _fused_count(fused) == 2 * len(fused.model.layers)
+    assert fused.model.layers[0].mlp.gate_up_proj.native is not None  # still on the native kernels
+    assert torch.equal(fused(ids), plain(ids))
