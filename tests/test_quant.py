@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.loader import load_model
 from cpuserve.quant.config import WeightQuant
-from cpuserve.quant.quantize import quantize_checkpoint, quantize_weight
+from cpuserve.quant.quantize import quantize_checkpoint, quantize_weight, quantize_weight_in_chunks
 from cpuserve.quant.schemes import QuantLinear, pack_int, reference_forward, unpack_int
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llmcompressor"
@@ -84,6 +84,14 @@ def test_mse_scales_never_reconstruct_worse_than_minmax():
             errs[method] = ((recon - w) ** 2).view(64, -1, g).sum(-1)
         assert (errs["mse"] <= errs["minmax"] + 1e-12).all(), quant
         assert errs["mse"].sum() < errs["minmax"].sum(), quant
+
+
+@pytest.mark.parametrize("quant", [WeightQuant(8, None, False), WeightQuant(4, 32, False)], ids=lambda q: q.name)
+def test_quantizing_in_row_blocks_changes_nothing(quant):
+    w = torch.randn(101, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    q, s = quantize_weight(w, quant)
+    q7, s7 = quantize_weight_in_chunks(w, quant, rows=7)
+    assert torch.equal(q, q7) and torch.equal(s, s7)
 
 
 @pytest.fixture(scope="module")

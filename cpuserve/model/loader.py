@@ -69,11 +69,11 @@ def _quantize_lm_head(model: CausalLM, kind: str) -> None:
     bytes a decode step reads for a bf16 head; logits move by the quantization error."""
     if kind != "int8":
         raise ConfigError(f"--quantize-lm-head {kind!r}: only int8 is supported")
-    from cpuserve.quant.quantize import quantize_weight
+    from cpuserve.quant.quantize import quantize_weight_in_chunks
 
     head = model.lm_head
     quant = WeightQuant(bits=8, group_size=None, packed=False)
-    q, scale = quantize_weight(head.weight, quant)
+    q, scale = quantize_weight_in_chunks(head.weight, quant)
     new = QuantLinear(head.in_features, head.out_features, quant, bias=False)
     new.qweight, new.scales = q, scale.float()
     model.lm_head = new

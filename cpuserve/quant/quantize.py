@@ -75,6 +75,15 @@ def quantize_weight(w: torch.Tensor, quant: WeightQuant, method: str = "mse") ->
     return best_q.to(torch.int8).view(n, k), best_scale
 
 
+def quantize_weight_in_chunks(
+    w: torch.Tensor, quant: WeightQuant, method: str = "mse", rows: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight a block of rows at a time: the same result (rows are independent) with a
+    bounded working set; a 130k-row output head otherwise needs several GB of fp32 temporaries."""
+    parts = [quantize_weight(w[i : i + rows], quant, method) for i in range(0, w.shape[0], rows)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
 def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]:
     fmt = "pack-quantized" if quant.packed else "int-quantized"
     args = {
@@ -182,7 +191,7 @@ def quantize_checkpoint(
             if name in changed:
                 writer.add(name, changed[name].to(tensor.dtype))
             elif name.endswith(".weight") and module in targets:
-                q, scale = calibrated.get(module) or quantize_weight(tensor, quant, scale_method)
+                q, scale = calibrated.get(module) or quantize_weight_in_chunks(tensor, quant, scale_method)
                 if quant.packed:
                     writer.add(f"{module}.weight_packed", pack_int(q, quant.bits))
                     writer.add(f"{module}.weight_shape", torch.tensor(list(q.shape), dtype=torch.int64))
