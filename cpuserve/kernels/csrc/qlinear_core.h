@@ -70,44 +70,42 @@ inline int32_t dot_i8_generic(const int8_t* a, const int8_t* w, int64_t k) {
   return acc;
 }
 
-// One group of len values (a multiple of 32): sum of nibble * a, nibbles unsigned 0..15.
+// One group of len values (a multiple of 32): sum of value(nibble) * a over the layout above, where
+// `value` reads a 4-bit nibble as the layout stores it.
+template <typename Value>
+inline int32_t dot_nibbles_generic(const int8_t* a, const uint8_t* w, int64_t len, Value value) {
+  int32_t acc = 0;
+  for (int64_t b = 0; b < len / 32; ++b) {
+    const uint8_t* wb = w + b * 16;
+    const int8_t* ab = a + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      acc += value(wb[j] & 0x0F) * int32_t(ab[j]);
+      acc += value(wb[j] >> 4) * int32_t(ab[16 + j]);
+    }
+  }
+  return acc;
+}
+
+// Offset nibbles as stored (0..15; the caller subtracts 8 * sum(a)) and two's-complement nibbles
+// as their signed value (the Arm layout).
 inline int32_t dot_u4_generic(const int8_t* a, const uint8_t* w, int64_t len) {
-  int32_t acc = 0;
-  for (int64_t b = 0; b < len / 32; ++b) {
-    const uint8_t* wb = w + b * 16;
-    const int8_t* ab = a + b * 32;
-    for (int j = 0; j < 16; ++j) {
-      acc += int32_t(wb[j] & 0x0F) * int32_t(ab[j]);
-      acc += int32_t(wb[j] >> 4) * int32_t(ab[16 + j]);
-    }
-  }
-  return acc;
+  return dot_nibbles_generic(a, w, len, [](int n) { return int32_t(n); });
 }
-
-inline float row_u4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
-  float y = 0.f;
-  for (int64_t g = 0; g < groups; ++g) y += float(dot_u4_generic(a + g * group, w + g * group / 2, group)) * s[g];
-  return y;
-}
-
-// The same over two's-complement nibbles (the Arm layout): the signed value of each nibble.
 inline int32_t dot_s4_generic(const int8_t* a, const uint8_t* w, int64_t len) {
-  int32_t acc = 0;
-  for (int64_t b = 0; b < len / 32; ++b) {
-    const uint8_t* wb = w + b * 16;
-    const int8_t* ab = a + b * 32;
-    for (int j = 0; j < 16; ++j) {
-      acc += int32_t(int8_t(uint8_t(wb[j] << 4)) >> 4) * int32_t(ab[j]);
-      acc += int32_t(int8_t(wb[j] & 0xF0) >> 4) * int32_t(ab[16 + j]);
-    }
-  }
-  return acc;
+  return dot_nibbles_generic(a, w, len, [](int n) { return int32_t(n >= 8 ? n - 16 : n); });
 }
 
-inline float row_s4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+template <int32_t (*Dot)(const int8_t*, const uint8_t*, int64_t)>
+inline float row_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
   float y = 0.f;
-  for (int64_t g = 0; g < groups; ++g) y += float(dot_s4_generic(a + g * group, w + g * group / 2, group)) * s[g];
+  for (int64_t g = 0; g < groups; ++g) y += float(Dot(a + g * group, w + g * group / 2, group)) * s[g];
   return y;
+}
+inline float row_u4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+  return row_generic<dot_u4_generic>(a, w, s, groups, group);
+}
+inline float row_s4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
+  return row_generic<dot_s4_generic>(a, w, s, groups, group);
 }
 
 #if defined(__x86_64__)
@@ -239,9 +237,7 @@ inline int32_t group_s4_neon(const int8_t* a, const uint8_t* w, int64_t len) {
 }
 
 inline float row_s4_neon(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
-  float y = 0.f;
-  for (int64_t g = 0; g < groups; ++g) y += float(group_s4_neon(a + g * group, w + g * group / 2, group)) * s[g];
-  return y;
+  return row_generic<group_s4_neon>(a, w, s, groups, group);  // the twin's float update, same order
 }
 
 // ---------------------------------------------------------------- aarch64: dotprod (sdot)
