@@ -56,7 +56,7 @@ def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, di
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {
             "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(qc, compute),
-            "attention": "torch scaled_dot_product_attention",
+            "attention": "decode: grouped fp32 matmuls per KV head; prefill: torch scaled_dot_product_attention",
             "norm, rope, activation": "torch",
         },
     }
