@@ -46,7 +46,12 @@ class ModelRunner:
                 prefills.append(PrefillChunk(slice(row, row + n), context, start))
             row += n
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots), decode_rows=None, decode_slots=None, decode_mask=None, prefills=prefills
+            slot_mapping=torch.cat(slots),
+            decode_rows=None,
+            decode_slots=None,
+            decode_mask=None,
+            decode_lengths=None,
+            prefills=prefills,
         )
         if decode_rows:
             longest = max(len(s) for s in decode_slots)
@@ -58,6 +63,7 @@ class ModelRunner:
                 mask[i, : len(s)] = True
             meta.decode_rows = torch.tensor(decode_rows)
             meta.decode_slots, meta.decode_mask = padded, mask
+            meta.decode_lengths = torch.tensor([len(s) for s in decode_slots])
         return torch.tensor(ids), torch.cat(positions), meta
 
     @torch.inference_mode()

@@ -2,8 +2,9 @@
 
 K/V live in per-layer slot arrays [num_blocks * block_size, Hkv, D]; a sequence's token at
 position p is in slot block_table[p // block_size] * block_size + p % block_size. Decodes are
-batched into one grouped attention call (decode_attention: padded to the longest context, masked;
-each KV head read once for the query heads that share it); each prefill chunk is one SDPA call with
+batched into one grouped attention call (ops.decode_attention_paged: natively, each sequence reads
+its own slots straight from the cache; in the torch reference, gathered, padded to the longest
+context and masked; each KV head read once for the query heads that share it); each prefill chunk is one SDPA call with
 a causal mask offset by what is already cached (GQA passed as enable_gqa).
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cpuserve.model.decode_attention import decode_attention
+from cpuserve.model import ops
 
 
 class PagedKVCache:
@@ -50,6 +51,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None  # [Nd] rows of single-token sequences
     decode_slots: torch.Tensor | None  # [Nd, Lmax] context slots, padded
     decode_mask: torch.Tensor | None  # [Nd, Lmax] True where a real context token is
+    decode_lengths: torch.Tensor | None  # [Nd] context lengths (the new token included)
     prefills: list[PrefillChunk]
 
 
@@ -66,10 +68,9 @@ class PagedAttention:
         vc[meta.slot_mapping] = v
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            n, length = meta.decode_slots.shape
-            keys = kc[meta.decode_slots.view(-1)].view(n, length, *kc.shape[1:]).transpose(1, 2)
-            values = vc[meta.decode_slots.view(-1)].view(n, length, *vc.shape[1:]).transpose(1, 2)
-            out[meta.decode_rows] = decode_attention(q[meta.decode_rows], keys, values, meta.decode_mask)
+            out[meta.decode_rows] = ops.decode_attention_paged(
+                q[meta.decode_rows], kc, vc, meta.decode_slots, meta.decode_mask, meta.decode_lengths
+            )
         for chunk in meta.prefills:
             query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]
             keys = kc[chunk.context_slots].transpose(0, 1).unsqueeze(0)

@@ -40,8 +40,8 @@ def build_check(out_dir: Path, target: str = "native") -> Path:
 
 
 def compile_binding_for_aarch64() -> subprocess.CompletedProcess:
-    """Compile (syntax and semantics, no object) the torch binding qlinear.cpp for aarch64 against
-    this torch's headers: the same source `./run setup` builds on an Arm machine."""
+    """Compile (syntax and semantics, no object) the torch bindings (qlinear.cpp, layer_ops.cpp) for
+    aarch64 against this torch's headers: the same sources `./run setup` builds on an Arm machine."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
@@ -56,6 +56,7 @@ def compile_binding_for_aarch64() -> subprocess.CompletedProcess:
         *(f"-I{p}" for p in include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
         str(CSRC / "qlinear.cpp"),
+        str(CSRC / "layer_ops.cpp"),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 

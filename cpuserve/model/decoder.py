@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpuserve.model import ops
 from cpuserve.model.config import ModelSpec
-from cpuserve.model.decode_attention import decode_attention
-from cpuserve.model.rope import apply_rope, cos_sin, inverse_frequencies
+from cpuserve.model.rope import cos_sin, inverse_frequencies
 
 
 class AttentionBackend(Protocol):
@@ -34,10 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 whatever the compute dtype, as the reference implementations do.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -67,7 +64,7 @@ class ContiguousAttention:
             v = self.cache.v[layer][:, :, : start + t]
         if t == 1:  # decode: grouped matmuls, far faster than SDPA for a single query
             b, hq, _, d = q.shape
-            return decode_attention(q.view(b, hq, d), k, v).view(b, 1, hq, d)
+            return ops.decode_attention_contiguous(q.reshape(b, hq, d), k, v).view(b, 1, hq, d)
         mask = None
         if t > 1 and start > 0:
             # Query i sits at position start + i and sees keys 0 .. start + i.
@@ -105,8 +102,8 @@ class Attention(nn.Module):
         v = v.reshape(*lead, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        out = backend(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        q, k = ops.rope(q, k, cos, sin)
+        out = backend(layer, q, k, v)
         return self.o_proj(out.reshape(*lead, spec.q_size))
 
 
@@ -123,7 +120,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -135,13 +132,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
+    def step(
+        self,
+        h: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        backend: AttentionBackend,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Residual stream h and its input_layernorm(h) -> the new residual stream and next_norm of it:
+        each residual add is fused with the norm that follows it (the next layer's, or the final)."""
+        attn = self.self_attn(normed, cos, sin, layer, backend)
+        post = self.post_attention_layernorm
+        h, x = ops.add_rms_norm(h, attn, self.residual_scale, post.weight, post.eps)
+        mlp = self.mlp(x)
+        if next_norm is None:
+            return (h + mlp * self.residual_scale if self.residual_scale != 1.0 else h + mlp), None
+        return ops.add_rms_norm(h, mlp, self.residual_scale, next_norm.weight, next_norm.eps)
+
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, backend: AttentionBackend
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer, backend)
-        h = h + attn * self.residual_scale if self.residual_scale != 1.0 else h + attn
-        mlp = self.mlp(self.post_attention_layernorm(h))
-        return h + mlp * self.residual_scale if self.residual_scale != 1.0 else h + mlp
+        return self.step(h, self.input_layernorm(h), cos, sin, layer, backend, None)[0]
 
 
 class DecoderBody(nn.Module):
@@ -181,9 +195,12 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self.spec.embedding_scale != 1.0:
             h = h * self.spec.embedding_scale
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, i, backend)
-        return self.model.norm(h)
+        layers = self.model.layers
+        normed = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, normed = layer.step(h, normed, cos, sin, i, backend, next_norm)
+        return normed
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

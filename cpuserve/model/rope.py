@@ -30,10 +30,3 @@ def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, head_dim] by cos/sin [..., T, head_dim] (broadcast over heads)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

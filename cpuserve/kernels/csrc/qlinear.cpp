@@ -72,8 +72,18 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const float* sap = sa.data_ptr<float>();
   const int32_t* gs = sums.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
+  torch::Tensor blocks;  // the activations in the block kernel's order, where it applies
+  const int8_t* qb = nullptr;
+  if (std::strcmp(v.name, "avx512_vnni") == 0 && cpk::u4_blocks_fit(k, group)) {
+    blocks = torch::empty({m, k}, torch::kInt8);
+    int8_t* b = blocks.data_ptr<int8_t>();
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) cpk::permute_for_u4_blocks(qa + r * k, k, b + r * k);
+    });
+    qb = b;
+  }
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
+    cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o, qb);
   });
   return finish(out, bias, x.scalar_type());
 }
@@ -118,7 +128,10 @@ std::vector<std::string> variants() {
   return names;
 }
 
+void register_layer_ops(pybind11::module& mod);  // layer_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  register_layer_ops(mod);
   mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");

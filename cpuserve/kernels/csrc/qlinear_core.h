@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -196,6 +197,107 @@ __attribute__((target(CPK_VNNI_TARGET))) inline float row_u4_vnni(const int8_t* 
     facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s[g]), facc);
   }
   return _mm512_reduce_add_ps(facc);
+}
+
+// Blocks of R activation rows x C output columns for offset int4 weights, 128 weights per step.
+// A 64-byte load of packed weights holds 128 values; its low nibbles are weights
+// [0-15, 32-47, 64-79, 96-111] and its high nibbles [16-31, 48-63, 80-95, 112-127] of the 128
+// (the 32-value block layout above). The activations are reordered once per matmul to match
+// (permute_for_u4_blocks), so the nibbles feed vpdpbusd as they are: per 128 weights and column,
+// one load, two ANDs, one shift and two vpdpbusd, where row_u4_vnni needs eight instructions per 64.
+// The -8 offset correction enters the int32 accumulator (lane 0 of each group's lanes), so no
+// scalar loop per output remains. Groups: 64 (two per step: lanes 0-7 and 8-15) or multiples of
+// 128. K a multiple of 64 (a trailing 64 is a half step).
+// One 128-weight step at weight byte offset wb and activation offset ab (lo at ab, hi at ab + half).
+template <int R, int C>
+__attribute__((target(CPK_VNNI_TARGET))) inline void u4_step_vnni(__m512i (&acc)[R][C], const int8_t* pa, int64_t k,
+                                                                  const uint8_t* pw, int64_t wstride, int64_t wb,
+                                                                  int64_t ab, int64_t half, __mmask64 mask) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i alo[R], ahi[R];
+  for (int r = 0; r < R; ++r) {
+    alo[r] = _mm512_maskz_loadu_epi8(mask, pa + r * k + ab);
+    ahi[r] = _mm512_maskz_loadu_epi8(mask, pa + r * k + ab + half);
+  }
+  for (int c = 0; c < C; ++c) {
+    const __m512i wv = _mm512_maskz_loadu_epi8(mask, pw + c * wstride + wb);
+    const __m512i lo = _mm512_and_si512(wv, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+    for (int r = 0; r < R; ++r)
+      acc[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][c], lo, alo[r]), hi, ahi[r]);
+  }
+}
+
+template <int R, int C>
+__attribute__((target(CPK_VNNI_TARGET))) inline void u4_fold_vnni(__m512 (&facc)[R][C], const __m512i (&acc)[R][C],
+                                                                  int c, __m512 scale) {
+  for (int r = 0; r < R; ++r) facc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), scale, facc[r][c]);
+}
+
+template <int R, int C>
+__attribute__((target(CPK_VNNI_TARGET))) inline void u4_block_vnni(const int8_t* pa, const int32_t* gs, int64_t k,
+                                                                   int64_t groups, int64_t group, const uint8_t* pw,
+                                                                   const float* sw, float* out, int64_t out_stride) {
+  const int64_t wstride = k / 2;
+  __m512 facc[R][C];
+  __m512i acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) facc[r][c] = _mm512_setzero_ps();
+  if (group == 64) {
+    const int64_t steps = k / 128;
+    for (int64_t st = 0; st < steps; ++st) {
+      const int64_t g = 2 * st;
+      for (int r = 0; r < R; ++r) {
+        const __m512i corr = _mm512_maskz_set1_epi32(0x0001, -8 * gs[r * groups + g]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mask_set1_epi32(corr, 0x0100, -8 * gs[r * groups + g + 1]);
+      }
+      u4_step_vnni<R, C>(acc, pa, k, pw, wstride, st * 64, st * 128, 64, ~__mmask64(0));
+      for (int c = 0; c < C; ++c) {
+        const float* sc = sw + c * groups + g;
+        u4_fold_vnni<R, C>(facc, acc, c, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[0]), _mm512_set1_ps(sc[1])));
+      }
+    }
+    if (k % 128) {  // the last group alone: 32 weight bytes, 32 + 32 activation bytes
+      const int64_t g = groups - 1;
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_maskz_set1_epi32(0x0001, -8 * gs[r * groups + g]);
+      u4_step_vnni<R, C>(acc, pa, k, pw, wstride, steps * 64, steps * 128, 32, __mmask64(0xFFFFFFFFull));
+      for (int c = 0; c < C; ++c) u4_fold_vnni<R, C>(facc, acc, c, _mm512_set1_ps(sw[c * groups + g]));
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_maskz_set1_epi32(0x0001, -8 * gs[r * groups + g]);
+      for (int64_t st = g * group / 128; st < (g + 1) * group / 128; ++st)
+        u4_step_vnni<R, C>(acc, pa, k, pw, wstride, st * 64, st * 128, 64, ~__mmask64(0));
+      for (int c = 0; c < C; ++c) u4_fold_vnni<R, C>(facc, acc, c, _mm512_set1_ps(sw[c * groups + g]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * out_stride + c] = _mm512_reduce_add_ps(facc[r][c]);
+}
+
+// Output columns [c0, c1) for rows [0, m): 2x4 blocks, then the edges.
+__attribute__((target(CPK_VNNI_TARGET))) inline void u4_blocks_vnni(const int8_t* pa, const int32_t* gs, int64_t m,
+                                                                    int64_t k, int64_t groups, const uint8_t* pw,
+                                                                    const float* sw, int64_t n, int64_t c0,
+                                                                    int64_t c1, float* out) {
+  const int64_t group = k / groups, wstride = k / 2;
+#define CPK_U4_BLOCK(R, C, r, c)                                                                                   \
+  u4_block_vnni<R, C>(pa + (r) * k, gs + (r) * groups, k, groups, group, pw + (c) * wstride, sw + (c) * groups, \
+                      out + (r) * n + (c), n)
+  int64_t c = c0;
+  for (; c + 4 <= c1; c += 4) {
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2) CPK_U4_BLOCK(2, 4, r, c);
+    if (r < m) CPK_U4_BLOCK(1, 4, r, c);
+  }
+  for (; c < c1; ++c) {
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2) CPK_U4_BLOCK(2, 1, r, c);
+    if (r < m) CPK_U4_BLOCK(1, 1, r, c);
+  }
+#undef CPK_U4_BLOCK
 }
 #endif  // __x86_64__
 
@@ -416,6 +518,26 @@ inline void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, fl
   }
 }
 
+// Whether u4_blocks_vnni takes this shape (see there), and the activation order it reads: per 128
+// values [lo(b0), lo(b1), hi(b0), hi(b1)] for its two 64-value blocks, a trailing 64 as [lo, hi],
+// where lo(b) = b[0-15] b[32-47] and hi(b) = b[16-31] b[48-63].
+inline bool u4_blocks_fit(int64_t k, int64_t group) { return k % 64 == 0 && (group == 64 || group % 128 == 0); }
+
+inline void permute_for_u4_blocks(const int8_t* a, int64_t k, int8_t* out) {
+  auto block = [&](const int8_t* b, int8_t* lo, int8_t* hi) {
+    std::memcpy(lo, b, 16);
+    std::memcpy(lo + 16, b + 32, 16);
+    std::memcpy(hi, b + 16, 16);
+    std::memcpy(hi + 16, b + 48, 16);
+  };
+  int64_t i = 0;
+  for (; i + 128 <= k; i += 128) {
+    block(a + i, out + i, out + i + 64);
+    block(a + i + 64, out + i + 32, out + i + 96);
+  }
+  if (i < k) block(a + i, out + i, out + i + 32);
+}
+
 // ---------------------------------------------------------------- one thread's share of a linear
 // Output columns [c0, c1) of out [M, N] (row-major, fp32) from quantized activations qa [M, K] with
 // per-row scales sa, and int8 weights qw [N, K] with per-column scales sw.
@@ -448,8 +570,17 @@ inline void w8a8_columns(const Variant& v, const int8_t* qa, const float* sa, in
 // activation sums gs [M, G] (used by the offset layout only).
 inline void w4a8_columns(const Variant& v, const int8_t* qa, const float* sa, const int32_t* gs, int64_t m,
                          int64_t k, const uint8_t* pw, const float* sw, int64_t groups, int64_t n, int64_t c0,
-                         int64_t c1, float* out) {
+                         int64_t c1, float* out, const int8_t* qa_blocks = nullptr) {
   const int64_t group = k / groups;
+#if defined(__x86_64__)
+  // qa_blocks: the activations reordered by permute_for_u4_blocks, when the caller has them.
+  if (qa_blocks != nullptr && std::strcmp(v.name, "avx512_vnni") == 0 && u4_blocks_fit(k, group)) {
+    u4_blocks_vnni(qa_blocks, gs, m, k, groups, pw, sw, n, c0, c1, out);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = c0; c < c1; ++c) out[r * n + c] *= sa[r];
+    return;
+  }
+#endif
   const bool offset = v.layout == Int4Layout::Offset;
   // Offset nibbles: sum_g s_g * (dot_g(u, a) - 8 * sum_g(a)), the correction a short scalar dot product.
   auto put = [&](int64_t r, int64_t c, float dot) {

@@ -1,0 +1,334 @@
+// The decoder's float ops around the quantized linears, one native call each instead of 5-20 torch
+// ops: RMSNorm (alone and fused with the residual add), RoPE in place, SiLU-and-mul, and attention
+// for one new token per sequence read straight from the (contiguous or paged) KV cache.
+//
+// Their reference twins are the pure-torch functions in cpuserve/model/ops.py. Each op rounds where
+// the reference rounds (to bf16/fp16 after every torch op that produces a tensor of that dtype), so
+// in fp32 the elementwise ops are bit-identical to torch; only sums (the RMSNorm mean, attention dot
+// products) run in a different order. Loops are written with 8 independent partial sums so the
+// compiler vectorizes them without reassociating float adds (-ffp-contract=off, no fast-math).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 8;
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+// bf16 as its bits: a shift the compiler vectorizes (c10's conversion it does not).
+template <>
+inline float load(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = uint32_t(p[i].x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rounds a float to T and back: where the torch reference materializes a T tensor.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = load(x, i + j);
+      part[j] += v * v;
+    }
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += part[j];
+  for (; i < n; ++i) total += load(x, i) * load(x, i);
+  return total;
+}
+
+// out = w * T(x * rsqrt(mean(x^2) + eps)), as RMSNorm.forward in the reference.
+template <typename T>
+void rms_norm_row(const T* x, const T* w, int64_t n, float eps, T* out) {
+  const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(load(w, i) * round_to<T>(load(x, i) * inv));
+}
+
+#define CPUSERVE_DISPATCH(dtype, name, ...)                                       \
+  AT_DISPATCH_SWITCH(dtype, name, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)       \
+                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtypes differ (", a.scalar_type(), " vs ",
+              b.scalar_type(), ")");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_same_dtype(x, weight, "rms_norm");
+  auto xc = x.contiguous();
+  const int64_t size = x.size(-1), count = size == 0 ? 0 : x.numel() / size;
+  TORCH_CHECK(weight.numel() == size && weight.is_contiguous(), "rms_norm: weight must have ", size, " values");
+  auto out = torch::empty(x.sizes(), x.options());
+  CPUSERVE_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rms_norm_row(xp + i * size, wp, size, static_cast<float>(eps), op + i * size);
+    });
+  });
+  return out;
+}
+
+// h' = h + delta * scale (rounded as the reference rounds), normed = rms_norm(h'). Returns {h', normed}.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, double scale, torch::Tensor weight,
+                                        double eps) {
+  check_same_dtype(h, delta, "add_rms_norm");
+  check_same_dtype(h, weight, "add_rms_norm");
+  TORCH_CHECK(h.sizes() == delta.sizes(), "add_rms_norm: h and delta shapes differ");
+  auto hc = h.contiguous(), dc = delta.contiguous();
+  const int64_t n = h.size(-1), rows = n == 0 ? 0 : h.numel() / n;
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "add_rms_norm: weight must have ", n, " values");
+  auto sum = torch::empty(h.sizes(), h.options());
+  auto normed = torch::empty(h.sizes(), h.options());
+  const float s = static_cast<float>(scale);
+  CPUSERVE_DISPATCH(h.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* hp = hc.data_ptr<scalar_t>();
+    const scalar_t* dp = dc.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    scalar_t* np = normed.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t o = r * n;
+        if (s == 1.f) {
+          for (int64_t i = 0; i < n; ++i) sp[o + i] = static_cast<scalar_t>(load(hp, o + i) + load(dp, o + i));
+        } else {
+          for (int64_t i = 0; i < n; ++i)
+            sp[o + i] = static_cast<scalar_t>(load(hp, o + i) + round_to<scalar_t>(load(dp, o + i) * s));
+        }
+        rms_norm_row(sp + o, wp, n, static_cast<float>(eps), np + o);
+      }
+    });
+  });
+  return {sum, normed};
+}
+
+// x [T, H, D] (D contiguous, any row strides) rotated in place by cos/sin [T, D] ("rotate half").
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x must be [T, H, D] with D contiguous");
+  check_same_dtype(x, cos, "rope_");
+  check_same_dtype(x, sin, "rope_");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  auto cc = cos.contiguous(), sc = sin.contiguous();
+  TORCH_CHECK(d % 2 == 0 && cc.numel() == t * d && sc.numel() == t * d, "rope_: cos/sin must be [T, D]");
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  CPUSERVE_DISPATCH(x.scalar_type(), "rope_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cc.data_ptr<scalar_t>();
+    const scalar_t* sp = sc.data_ptr<scalar_t>();
+    at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t pos = job / heads;
+        scalar_t* row = xp + pos * st + (job % heads) * sh;
+        const scalar_t* c = cp + pos * d;
+        const scalar_t* s = sp + pos * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = load(row, i), hi = load(row, i + half);
+          // x * cos + rotated * sin, rotated = (-hi, lo): each product and the sum rounded to T.
+          const float new_lo = round_to<scalar_t>(lo * load(c, i)) + round_to<scalar_t>(-hi * load(s, i));
+          const float new_hi =
+              round_to<scalar_t>(hi * load(c, i + half)) + round_to<scalar_t>(lo * load(s, i + half));
+          row[i] = static_cast<scalar_t>(new_lo);
+          row[i + half] = static_cast<scalar_t>(new_hi);
+        }
+      }
+    });
+  });
+}
+
+// gate, up [R, I] (rows of any stride, I contiguous; typically the two halves of one projection's
+// output) -> silu(gate) * up [R, I].
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  check_same_dtype(gate, up, "silu_mul");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "silu_mul: gate and up must be [R, I] with I contiguous");
+  const int64_t rows = gate.size(0), inter = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  auto out = torch::empty({rows, inter}, gate.options());
+  CPUSERVE_DISPATCH(gate.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    const scalar_t* upp = up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* g = gp + row * gs;
+        const scalar_t* u = upp + row * us;
+        scalar_t* o = op + row * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = load(g, i);
+          o[i] = static_cast<scalar_t>(round_to<scalar_t>(x / (1.f + std::exp(-x))) * load(u, i));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+constexpr int kDotLanes = 16;  // one AVX-512 vector, two AVX2 vectors
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float part[kDotLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kDotLanes <= d; i += kDotLanes)
+    for (int j = 0; j < kDotLanes; ++j) part[j] += q[i + j] * load(k, i + j);
+  float total = 0.f;
+  for (int j = 0; j < kDotLanes; ++j) total += part[j];
+  for (; i < d; ++i) total += q[i] * load(k, i);
+  return total;
+}
+
+// Where one decode-attention job reads and writes: sequence seq, KV head head.
+struct AttentionJobs {
+  const float* q;  // [N, Hq, D] fp32
+  const void* k;
+  const void* v;
+  const int64_t* lengths;
+  const int64_t* slots;  // [N, slot_stride] or null (contiguous cache: batch seq, position l)
+  int64_t slot_stride, hq, hkv, d, kb, ks, kh, longest;
+  float scale;
+  float* out;  // [N, Hq, D] fp32
+};
+
+// Always inlined into the per-ISA clones below, so its loops are compiled for each ISA.
+template <typename T>
+__attribute__((always_inline)) inline void attention_jobs(const AttentionJobs& a, int64_t begin, int64_t end) {
+  const int64_t group = a.hq / a.hkv, d = a.d;
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  std::vector<float> scores(static_cast<size_t>(group * a.longest)), row(static_cast<size_t>(d));
+  for (int64_t job = begin; job < end; ++job) {
+    const int64_t seq = job / a.hkv, head = job % a.hkv, length = a.lengths[seq];
+    const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
+    const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+    const float* qs = a.q + (seq * a.hq + head * group) * d;
+    for (int64_t l = 0; l < length; ++l) {  // each key row converted once for the heads that share it
+      const T* key = kp + base + (slot ? slot[l] : l) * a.ks;
+      for (int64_t i = 0; i < d; ++i) row[i] = load(key, i);
+      for (int64_t g = 0; g < group; ++g) scores[g * a.longest + l] = dot(qs + g * d, row.data(), d) * a.scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sc = scores.data() + g * a.longest;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t l = 0; l < length; ++l) top = std::max(top, sc[l]);
+      float total = 0.f;
+      for (int64_t l = 0; l < length; ++l) {
+        sc[l] = std::exp(sc[l] - top);
+        total += sc[l];
+      }
+      const float inv = 1.f / total;
+      for (int64_t l = 0; l < length; ++l) sc[l] *= inv;
+    }
+    float* o = a.out + (seq * a.hq + head * group) * d;
+    for (int64_t i = 0; i < group * d; ++i) o[i] = 0.f;
+    for (int64_t l = 0; l < length; ++l) {  // each value row converted once, added to every head's output
+      const T* value = vp + base + (slot ? slot[l] : l) * a.ks;
+      for (int64_t i = 0; i < d; ++i) row[i] = load(value, i);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * a.longest + l];
+        float* og = o + g * d;
+        for (int64_t i = 0; i < d; ++i) og[i] += p * row[i];
+      }
+    }
+  }
+}
+
+// The same loops compiled for AVX-512, AVX2 and the baseline, picked by the loader (ifunc): the
+// score and value loops are where the time goes, and the baseline build has only SSE2.
+#if defined(__x86_64__)
+#define CPUSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CPUSERVE_CLONES
+#endif
+CPUSERVE_CLONES void attention_jobs_f32(const AttentionJobs& a, int64_t begin, int64_t end) {
+  attention_jobs<float>(a, begin, end);
+}
+CPUSERVE_CLONES void attention_jobs_bf16(const AttentionJobs& a, int64_t begin, int64_t end) {
+  attention_jobs<c10::BFloat16>(a, begin, end);
+}
+CPUSERVE_CLONES void attention_jobs_f16(const AttentionJobs& a, int64_t begin, int64_t end) {
+  attention_jobs<c10::Half>(a, begin, end);
+}
+
+}  // namespace
+
+// One query token per sequence against its cached keys/values, softmax in fp32.
+// q [N, Hq, D]; k, v [B, S, Hkv, D] (D contiguous, any other strides). Sequence n reads positions
+// 0 .. lengths[n]-1: without slots, from batch n at those positions (the contiguous cache); with
+// slots [N, L] int64, from batch 0 at slots[n, l] (the paged cache). Returns [N, Hq, D] in q's dtype.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
+                               torch::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "decode_attention: q [N, Hq, D], k/v [B, S, Hkv, D]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(), "decode_attention: k and v must match");
+  TORCH_CHECK(k.stride(3) == 1, "decode_attention: the head dimension must be contiguous");
+  check_same_dtype(k, v, "decode_attention");
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(2), cap = k.size(1);
+  TORCH_CHECK(k.size(3) == d && hq % hkv == 0, "decode_attention: head shapes do not fit");
+  auto len = lengths.to(torch::kLong).contiguous();
+  TORCH_CHECK(len.numel() == n, "decode_attention: one length per sequence");
+  const int64_t* lp = len.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lp[i] >= 1, "decode_attention: every sequence needs at least one cached token");
+    longest = std::max(longest, lp[i]);
+  }
+  torch::Tensor sl;
+  AttentionJobs a{};
+  if (slots.has_value()) {
+    sl = slots->to(torch::kLong).contiguous();
+    TORCH_CHECK(sl.dim() == 2 && sl.size(0) == n && sl.size(1) >= longest, "decode_attention: slots must be [N, L]");
+    a.slots = sl.data_ptr<int64_t>();
+    a.slot_stride = sl.size(1);
+  } else {
+    TORCH_CHECK(k.size(0) >= n && longest <= cap, "decode_attention: lengths exceed the cache");
+  }
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({n, hq, d}, torch::kFloat32);
+  a.q = qf.data_ptr<float>();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.lengths = lp;
+  a.hq = hq, a.hkv = hkv, a.d = d, a.kb = k.stride(0), a.ks = k.stride(1), a.kh = k.stride(2);
+  a.longest = longest;
+  a.scale = static_cast<float>(scale);
+  a.out = out.data_ptr<float>();
+  auto run = k.scalar_type() == torch::kFloat32    ? attention_jobs_f32
+             : k.scalar_type() == torch::kBFloat16 ? attention_jobs_bf16
+             : k.scalar_type() == torch::kHalf     ? attention_jobs_f16
+                                                   : nullptr;
+  TORCH_CHECK(run != nullptr, "decode_attention: unsupported cache dtype ", k.scalar_type());
+  at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+}
+
+void register_layer_ops(pybind11::module& mod) {
+  mod.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  mod.def("add_rms_norm", &add_rms_norm, "residual add (scaled) fused with the next RMSNorm: {sum, normed}");
+  mod.def("rope_", &rope_, "rotary embedding in place, rotate-half layout");
+  mod.def("silu_mul", &silu_mul, "silu(gate) * up");
+  mod.def("decode_attention", &decode_attention, "one query per sequence over the contiguous or paged KV cache");
+}

@@ -1,0 +1,179 @@
+"""The decoder's float ops around the linears: RMSNorm (alone and fused with the residual add), RoPE,
+SiLU-and-mul and single-query attention.
+
+Each op has its pure-torch reference here (`*_reference`) and a native twin (kernels/csrc/
+layer_ops.cpp) that does in one call what the reference does in 5-20 torch ops: on SmolLM2 those
+ops, not the matmuls, were most of a decode step. The native twin is used when the kernels are built,
+CPUSERVE_ISA is not `reference` and CPUSERVE_NATIVE_OPS is not 0 (for A/B measurements), for fp32,
+bf16 and fp16 tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@cache
+def _native() -> ModuleType | None:
+    if os.environ.get("CPUSERVE_NATIVE_OPS", "1") == "0" or os.environ.get("CPUSERVE_ISA") == "reference":
+        return None
+    from cpuserve.kernels import native
+
+    module = native()
+    return module if module is not None and hasattr(module, "rms_norm") else None
+
+
+def native_ops_enabled() -> bool:
+    """Whether the native twins run (for the start-up log and doctor)."""
+    return _native() is not None
+
+
+def _use_native(*tensors: torch.Tensor) -> ModuleType | None:
+    module = _native()
+    if module is None or any(t.dtype not in NATIVE_DTYPES or t.device.type != "cpu" for t in tensors):
+        return None
+    return module
+
+
+# ---------------------------------------------------------------- references (pure torch)
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in fp32 whatever the compute dtype, as the reference implementations do.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    h: torch.Tensor, delta: torch.Tensor, scale: float, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = h + delta * scale if scale != 1.0 else h + delta
+    return h, rms_norm_reference(h, weight, eps)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, H, D] by cos/sin [..., T, 1, D] ("rotate half" layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def decode_attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [N, Hq, D] (one token per sequence); keys/values [N, Hkv, L, D] (its context, the new token
+    included); valid [N, L] bool, False at padding. Returns [N, Hq, D] in q's dtype; softmax in fp32.
+
+    Written as two batched matmuls over the query heads that share a KV head: torch's SDPA with bf16
+    inputs took 0.5-2.1 ms per layer for one query over 136-640 cached tokens here (its flash kernel
+    is built for long query blocks), this 0.1-0.2 ms (once, docs/benchmarks.md)."""
+    n, hq, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    qf = q.float().view(n, hkv, hq // hkv, d)
+    scores = torch.matmul(qf, keys.float().transpose(-1, -2)) * (d**-0.5)  # [N, Hkv, G, L]
+    if valid is not None:
+        scores = scores.masked_fill(~valid.view(n, 1, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.float()).view(n, hq, d).to(q.dtype)
+
+
+# ---------------------------------------------------------------- dispatch
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    module = _use_native(x, weight)
+    if module is None or x.dtype != weight.dtype:
+        return rms_norm_reference(x, weight, eps)
+    return module.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, scale: float, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta * scale, its RMSNorm): the residual add fused with the norm that follows it."""
+    module = _use_native(h, delta, weight)
+    if module is None or not (h.dtype == delta.dtype == weight.dtype) or h.shape != delta.shape:
+        return add_rms_norm_reference(h, delta, scale, weight, eps)
+    total, normed = module.add_rms_norm(h, delta, scale, weight, eps)
+    return total, normed
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., T, Hq, D], k [..., T, Hkv, D] rotated by cos/sin [..., T, D]. The native twin rotates
+    in place (q and k are fresh projection outputs nobody else holds)."""
+    module = _use_native(q, k, cos)
+    flat = _flat_heads(q, k) if module is not None and q.dtype == k.dtype == cos.dtype else None
+    if flat is None:
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        return rope_reference(q, c, s), rope_reference(k, c, s)
+    d = cos.shape[-1]
+    lead = q.shape[:-2]  # cos/sin may be [T, D] for a [B, T] batch: one table row per token
+    c, s = cos.expand(*lead, d).reshape(-1, d), sin.expand(*lead, d).reshape(-1, d)
+    for x in flat:
+        module.rope_(x, c, s)
+    return q, k
+
+
+def _flat_heads(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
+    """[..., H, D] tensors as [rows, H, D] views of the same memory, or None where that needs a copy
+    (an in-place op on a copy would be lost)."""
+    views = []
+    for x in tensors:
+        try:
+            views.append(x.view(-1, x.shape[-2], x.shape[-1]))
+        except RuntimeError:
+            return None
+        if x.stride(-1) != 1:
+            return None
+    return views
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; gate and up may be the two halves of one fused projection's output."""
+    module = _use_native(gate, up)
+    if module is None or gate.dtype != up.dtype or gate.shape != up.shape:
+        return silu_mul_reference(gate, up)
+    size = gate.shape[-1]
+    try:
+        g, u = gate.view(-1, size), up.view(-1, size)
+    except RuntimeError:
+        return silu_mul_reference(gate, up)
+    return module.silu_mul(g, u).view(gate.shape)
+
+
+def decode_attention_contiguous(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D]; keys/values [B, Hkv, L, D] (the contiguous cache up to the new token)."""
+    module = _use_native(q, keys)
+    if module is None or keys.stride(-1) != 1:
+        return decode_attention_reference(q, keys, values)
+    b, _, length, d = keys.shape
+    lengths = torch.full((b,), length, dtype=torch.long)
+    return module.decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), None, lengths, d**-0.5)
+
+
+def decode_attention_paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """q [N, Hq, D]; caches [S, Hkv, D]; slots [N, L] each sequence's context slots, padded; valid
+    [N, L] False at padding; lengths [N] its real context lengths (the native twin reads only those)."""
+    module = _use_native(q, key_cache)
+    if module is None:
+        n, length = slots.shape
+        keys = key_cache[slots.view(-1)].view(n, length, *key_cache.shape[1:]).transpose(1, 2)
+        values = value_cache[slots.view(-1)].view(n, length, *value_cache.shape[1:]).transpose(1, 2)
+        return decode_attention_reference(q, keys, values, valid)
+    d = q.shape[-1]
+    return module.decode_attention(q, key_cache.unsqueeze(0), value_cache.unsqueeze(0), slots, lengths, d**-0.5)

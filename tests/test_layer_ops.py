@@ -1,0 +1,168 @@
+"""The native float ops (kernels/csrc/layer_ops.cpp) against their pure-torch twins (model/ops.py),
+and decode attention against torch's scaled_dot_product_attention as the independent reference.
+
+Budgets: elementwise ops round where the reference rounds, so RoPE and the residual add are
+bit-identical in every dtype; sums (the RMSNorm mean, attention dot products, exp in SiLU) run in
+another order or with another exp, so fp32 results differ in the last bits and a bf16 result may
+land one bf16 step (2^-8 relative) away on a few elements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpuserve.kernels import native
+from cpuserve.model import ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FP32_REL = 2e-6
+LOW_PRECISION_REL = 2.0**-7  # one bf16 step relative, with margin for values that straddle a step
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native()
+    assert module is not None, "native kernels are not built: ./run setup builds them"
+    assert ops.native_ops_enabled()
+    return module
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, mismatch_share: float = 0.02) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float(), want.float()
+    scale = w.abs().clamp_min(1e-3)
+    rel = ((g - w).abs() / scale).max().item()
+    if dtype == torch.float32:
+        assert rel <= FP32_REL, rel
+    else:
+        assert rel <= LOW_PRECISION_REL, rel
+        assert (g != w).float().mean().item() <= mismatch_share  # only a few elements straddle a step
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (3, 5, 2048), (4, 7, 64), (2, 100)])
+def test_rms_norm(kernels, dtype, shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    _close(kernels.rms_norm(x, w, 1e-5), ops.rms_norm_reference(x, w, 1e-5), dtype)
+
+
+def test_rms_norm_of_a_strided_view_reads_the_view(kernels):
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(6, 3 * 128, generator=gen)
+    q = qkv[:, :256].reshape(6, 2, 128)  # not contiguous: rows of 384
+    w = torch.rand(128, generator=gen)
+    _close(kernels.rms_norm(q, w, 1e-6), ops.rms_norm_reference(q, w, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.2213])
+def test_add_rms_norm(kernels, dtype, scale):
+    gen = torch.Generator().manual_seed(7)
+    h = (torch.randn(5, 960, generator=gen) * 4).to(dtype)
+    d = torch.randn(5, 960, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(960, generator=gen)).to(dtype)
+    total, normed = kernels.add_rms_norm(h, d, scale, w, 1e-5)
+    want_total, want_normed = ops.add_rms_norm_reference(h, d, scale, w, 1e-5)
+    assert torch.equal(total, want_total)  # elementwise, rounded where the reference rounds
+    _close(normed, want_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_is_bit_identical(kernels, dtype):
+    from cpuserve.model.config import RopeSpec
+    from cpuserve.model.rope import cos_sin, inverse_frequencies
+
+    gen = torch.Generator().manual_seed(3)
+    t, hq, hkv, d = 9, 4, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)  # strided views into the projection output
+    cos, sin = cos_sin(inverse_frequencies(RopeSpec(theta=10000.0), d), torch.arange(100, 100 + t), dtype)
+    want_q = ops.rope_reference(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+    want_k = ops.rope_reference(k, cos.unsqueeze(-2), sin.unsqueeze(-2))
+    got_q, got_k = ops.rope(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[:, : hq * d].reshape(t, hq, d), want_q)
+
+
+def test_rope_batch_shares_the_position_table(kernels):
+    from cpuserve.model.config import RopeSpec
+    from cpuserve.model.rope import cos_sin, inverse_frequencies
+
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 5, 4, 32, generator=gen), torch.randn(3, 5, 2, 32, generator=gen)
+    cos, sin = cos_sin(inverse_frequencies(RopeSpec(theta=500000.0), 32), torch.arange(5), torch.float32)
+    want_q = ops.rope_reference(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+    got_q, _ = ops.rope(q.clone(), k.clone(), cos, sin)
+    assert torch.equal(got_q, want_q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(kernels, dtype):
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(2, 3, 2 * 1536, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)  # strided halves of one buffer, as the fused projection gives
+    _close(ops.silu_mul(gate, up), ops.silu_mul_reference(gate, up), dtype)
+    _close(kernels.silu_mul(gate[0], up[0]), ops.silu_mul_reference(gate[0], up[0]), dtype)
+
+
+def _sdpa(q, k, v):
+    """One sequence: q [Hq, D], k/v [Hkv, L, D] -> [Hq, D] via torch's SDPA in fp32."""
+    return F.scaled_dot_product_attention(
+        q[None, :, None].float(), k[None].float(), v[None].float(), enable_gqa=q.shape[0] != k.shape[0]
+    )[0, :, 0]
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (16, 2), (4, 4)])
+@pytest.mark.parametrize("dtype,budget", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("native_ops", [True, False])
+def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype, budget, native_ops):
+    if not native_ops:
+        monkeypatch.setattr(ops, "_use_native", lambda *t: None)
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    n, d, capacity = 3, 64, 96
+    lengths = [37, 20, 1]
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    kc = (torch.randn(capacity, hkv, d, generator=gen) * 2).to(dtype)
+    vc = torch.randn(capacity, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(capacity, generator=gen)  # each sequence's slots scattered over the cache
+    seq_slots = [perm[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(n)]
+    longest = max(lengths)
+    slots = torch.stack([torch.cat((s, s[:1].expand(longest - len(s)))) for s in seq_slots])
+    valid = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    unused = perm[sum(lengths) :]
+    kc[unused], vc[unused] = float("nan"), float("nan")  # nobody may read a slot outside its context
+    got = ops.decode_attention_paged(q, kc, vc, slots, valid, torch.tensor(lengths))
+    assert got.dtype == dtype and got.shape == (n, hq, d)
+    for i, s in enumerate(seq_slots):
+        want = _sdpa(q[i], kc[s].transpose(0, 1), vc[s].transpose(0, 1))
+        assert (got[i].float() - want).abs().max() <= budget, i
+
+
+@pytest.mark.parametrize("dtype,budget", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+def test_contiguous_decode_attention_equals_sdpa(kernels, dtype, budget):
+    gen = torch.Generator().manual_seed(11)
+    b, hq, hkv, d, cap, used = 2, 8, 2, 128, 50, 33
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    cache_k = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
+    cache_v = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
+    cache_k[:, :, used:] = float("nan")
+    got = ops.decode_attention_contiguous(q, cache_k[:, :, :used], cache_v[:, :, :used])
+    for i in range(b):
+        want = _sdpa(q[i], cache_k[i, :, :used], cache_v[i, :, :used])
+        assert (got[i].float() - want).abs().max() <= budget, i
+
+
+def test_bad_shapes_are_refused_with_a_message(kernels):
+    with pytest.raises(RuntimeError, match="weight must have 8 values"):
+        kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), 1.0, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="at least one cached token"):
+        kernels.decode_attention(
+            torch.randn(1, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), None, torch.tensor([0]), 1.0
+        )
