@@ -237,9 +237,7 @@ def _cmd_bench_export_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_speed(args: argparse.Namespace) -> int:
-    from cpuserve.bench.speed import run_speed
-    from cpuserve.model.footprint import model_facts
-    from cpuserve.model.gguf_convert import open_gguf
+    from cpuserve.bench.speed import decode_bytes, measure_speed, render_speed
 
     pairs, weight_bytes = [], {}
     for item in args.pair:
@@ -249,16 +247,12 @@ def _cmd_bench_speed(args: argparse.Namespace) -> int:
             theirs_label, gguf = theirs.split("=", 1)
         except ValueError:
             raise CpuserveError(f"--pair {item!r}: expected LABEL=DIR,LABEL=FILE.gguf") from None
-        spec, _, facts = model_facts(Path(ours_dir), "auto")
-        embedding = spec.vocab_size * spec.hidden_size * 2 if not spec.tie_word_embeddings else 0
-        weight_bytes[ours_label] = facts["weights_bytes"] - embedding  # a token reads one embedding row
-        reader = open_gguf(Path(gguf))
-        tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
-        weight_bytes[theirs_label] = sum(tensors.values()) - (
-            tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
-        )
+        weight_bytes.update(decode_bytes(ours_label, Path(ours_dir), theirs_label, Path(gguf)))
         pairs.append((ours_label, Path(ours_dir), theirs_label, Path(gguf)))
-    print(run_speed(pairs, args.llamacpp_python, args.threads, args.prompt, args.decode, args.repeats, weight_bytes))
+    result = measure_speed(
+        pairs, args.llamacpp_python, args.threads, args.prompt, args.decode, args.repeats, weight_bytes
+    )
+    print(render_speed(result))
     return 0
 
 

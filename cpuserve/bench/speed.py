@@ -8,10 +8,12 @@ as GB/s of weights read per token against this machine's measured read bandwidth
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,12 +34,56 @@ def read_bandwidth_gbs(threads: int, size_gib: float = 2.0, repeats: int = 5) ->
     return best
 
 
-def _run(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_speed(
+def decode_bytes(
+    ours_label: str, ours_dir: Path, theirs_label: str, gguf: Path, lm_head: str | None = None
+) -> dict[str, int]:
+    """Bytes of weights one decode step reads, per engine (a token reads one embedding row, not the
+    table, unless the table is also the output head). lm_head: cpuserve's --quantize-lm-head."""
+    from cpuserve.model.footprint import model_facts
+    from cpuserve.model.gguf_convert import open_gguf
+
+    spec, _, facts = model_facts(ours_dir, "auto")
+    table = spec.vocab_size * spec.hidden_size * 2  # bf16 embedding; an untied head is the same size
+    body = facts["weights_bytes"] - table * (1 if spec.tie_word_embeddings else 2)
+    if lm_head == "int8":
+        head = table // 2 + spec.vocab_size * 4
+    elif lm_head == "int4":
+        group = next(g for g in (128, 64, 32) if spec.hidden_size % g == 0)
+        head = table // 4 + spec.vocab_size * (spec.hidden_size // group) * 4
+    else:
+        head = table
+    ours = body + head
+    tensors = {t.name: int(t.n_bytes) for t in open_gguf(gguf).tensors}
+    theirs = sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0)
+    return {ours_label: ours, theirs_label: theirs}
+
+
+@dataclass
+class PairResult:
+    """Medians of one cpuserve / llama.cpp pair (keys: load_s, pp128, pp<prompt>, tg, peak_rss_mb)."""
+
+    ours: str
+    theirs: str
+    medians: dict[str, dict[str, float]]
+    weight_bytes: dict[str, int]  # bytes a decode step reads, per engine
+
+
+@dataclass
+class SpeedResult:
+    threads: int
+    bandwidth_gbs: float
+    prompt: int
+    decode: int
+    repeats: int
+    pairs: list[PairResult]
+
+
+def measure_speed(
     pairs: list[tuple[str, Path, str, Path]],
     llamacpp_python: str,
     threads: int,
@@ -45,37 +91,59 @@ def run_speed(
     decode: int,
     repeats: int,
     weight_bytes: dict[str, int],
-) -> str:
-    """pairs: (cpuserve label, cpuserve dir, llama.cpp label, gguf)."""
+    env: dict[str, str] | None = None,
+) -> SpeedResult:
+    """pairs: (cpuserve label, cpuserve dir, llama.cpp label, gguf). env: extra variables for cpuserve."""
     bandwidth = read_bandwidth_gbs(threads)
-    lines = [
-        f"threads {threads}; read bandwidth {bandwidth:.1f} GB/s; prompt {prompt}, decode {decode}; "
-        f"medians of {repeats}",
-        "",
-        "| engine | pp128 tok/s | pp512 tok/s | decode tok/s | decode GB/s (% of bw) | load s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    ratios = []
+    results = []
     for ours_label, ours_dir, theirs_label, gguf in pairs:
         runs: dict[str, list[dict]] = {ours_label: [], theirs_label: []}
-        for _ in range(repeats):
+        for i in range(repeats):
+            print(f"[bench] {ours_label} vs {theirs_label}: run {i + 1}/{repeats}", file=sys.stderr, flush=True)
             runs[ours_label].append(
-                _run([sys.executable, "-m", "cpuserve.bench.speed_worker", str(ours_dir), str(prompt), str(decode)])
+                _run(
+                    [sys.executable, "-m", "cpuserve.bench.speed_worker", str(ours_dir), str(prompt), str(decode)],
+                    env,
+                )
             )
             runs[theirs_label].append(
                 _run([llamacpp_python, str(LLAMACPP_SCRIPT), str(gguf), str(prompt), str(decode), str(threads)])
             )
         med = {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}
-        for label in (ours_label, theirs_label):
-            m = med[label]
-            gbs = m["tg"] * weight_bytes[label] / 1e9
+        sizes = {label: weight_bytes[label] for label in runs}
+        results.append(PairResult(ours_label, theirs_label, med, sizes))
+    return SpeedResult(threads, bandwidth, prompt, decode, repeats, results)
+
+
+def ratios(pair: PairResult, prompt: int) -> dict[str, float]:
+    o, t = pair.medians[pair.ours], pair.medians[pair.theirs]
+    return {key: o[key] / t[key] for key in ("pp128", f"pp{prompt}", "tg")}
+
+
+def render_speed(result: SpeedResult) -> str:
+    p = result.prompt
+    lines = [
+        f"threads {result.threads}; read bandwidth {result.bandwidth_gbs:.1f} GB/s; prompt {p}, decode "
+        f"{result.decode}; medians of {result.repeats}; TTFT = prefill of 128 tokens and the first token's "
+        "logits (model only, no HTTP)",
+        "",
+        f"| engine | pp128 tok/s | pp{p} tok/s | TTFT 128 ms | decode tok/s | decode GB/s (% of bw) | load s |"
+        " peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for pair in result.pairs:
+        for label in (pair.ours, pair.theirs):
+            m = pair.medians[label]
+            gbs = m["tg"] * pair.weight_bytes[label] / 1e9
             lines.append(
-                f"| {label} | {m['pp128']:.1f} | {m[f'pp{prompt}']:.1f} | {m['tg']:.2f} | {gbs:.1f} "
-                f"({100 * gbs / bandwidth:.0f}%) | {m['load_s']:.1f} | {m['peak_rss_mb']:.0f} |"
+                f"| {label} | {m['pp128']:.1f} | {m[f'pp{p}']:.1f} | {1000 * 128 / m['pp128']:.0f} | {m['tg']:.2f} "
+                f"| {gbs:.1f} ({100 * gbs / result.bandwidth_gbs:.0f}%) | {m['load_s']:.1f} | {m['peak_rss_mb']:.0f} |"
             )
-        o, t = med[ours_label], med[theirs_label]
-        ratios.append(
-            f"{ours_label} / {theirs_label}: prefill pp{prompt} {o[f'pp{prompt}'] / t[f'pp{prompt}']:.2f}x, "
-            f"pp128 {o['pp128'] / t['pp128']:.2f}x, decode {o['tg'] / t['tg']:.2f}x"
+    lines.append("")
+    for pair in result.pairs:
+        r = ratios(pair, p)
+        lines.append(
+            f"- {pair.ours} / {pair.theirs}: prefill pp{p} **{r[f'pp{p}']:.2f}x**, pp128 {r['pp128']:.2f}x, "
+            f"decode **{r['tg']:.2f}x**"
         )
-    return "\n".join([*lines, "", *ratios])
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cpuserve.model import ops
+from cpuserve.model.native_decode import DecodeCache
 
 
 class PagedKVCache:
@@ -28,6 +29,9 @@ class PagedKVCache:
         # points at written slots).
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        # [1, S, Hkv, D] views, as the native decode step addresses caches (batch 0, slot s).
+        self.k_by_position = [k.unsqueeze(0) for k in self.k]
+        self.v_by_position = [v.unsqueeze(0) for v in self.v]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -60,6 +64,20 @@ class PagedAttention:
 
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, gqa: bool) -> None:
         self.cache, self.meta, self.gqa = cache, meta, gqa
+
+    def decode_cache(self) -> DecodeCache | None:
+        """For the native decode step, when every sequence of the step decodes one token."""
+        meta = self.meta
+        if meta.prefills or meta.decode_rows is None:
+            return None
+        return DecodeCache(
+            k=self.cache.k_by_position,
+            v=self.cache.v_by_position,
+            write_batch=torch.zeros_like(meta.slot_mapping),
+            write_pos=meta.slot_mapping,
+            lengths=meta.decode_lengths,
+            slots=meta.decode_slots,
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta

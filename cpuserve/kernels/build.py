@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "csrc" / "qlinear.cpp", HERE / "csrc" / "qlinear_core.h", HERE / "csrc" / "layer_ops.cpp"]
+SOURCES = [
+    HERE / "csrc" / name for name in ("qlinear.cpp", "qlinear_core.h", "layer_ops.cpp", "decoder_layers.cpp", "ops.h")
+]
 # No fused multiply-add contraction of scalar code: the twins' float order is part of the contract.
 CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"]
 BUILD_DIR = HERE / "_build"

@@ -57,6 +57,7 @@ def compile_binding_for_aarch64() -> subprocess.CompletedProcess:
         f"-I{sysconfig.get_paths()['include']}",
         str(CSRC / "qlinear.cpp"),
         str(CSRC / "layer_ops.cpp"),
+        str(CSRC / "decoder_layers.cpp"),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 

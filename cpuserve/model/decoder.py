@@ -10,15 +10,19 @@ engine. Everything else (projections, norms, rope, MLP) is shared.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpuserve.model import ops
+from cpuserve.model import native_decode, ops
 from cpuserve.model.config import ModelSpec
+from cpuserve.model.native_decode import DecodeCache
 from cpuserve.model.rope import cos_sin, inverse_frequencies
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -44,6 +48,9 @@ class KVCache:
         shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
+        # The same memory as [B, S, Hkv, D] views, as the native decode step addresses caches.
+        self.k_by_position = [k.transpose(1, 2) for k in self.k]
+        self.v_by_position = [v.transpose(1, 2) for v in self.v]
         self.max_len = max_len
         self.length = 0
 
@@ -51,8 +58,22 @@ class KVCache:
 class ContiguousAttention:
     """Batched [B, T] attention over a KVCache (or over the new tokens alone without one)."""
 
-    def __init__(self, cache: KVCache | None, start: int, gqa: bool) -> None:
-        self.cache, self.start, self.gqa = cache, start, gqa
+    def __init__(self, cache: KVCache | None, start: int, gqa: bool, new_tokens: int = 0) -> None:
+        self.cache, self.start, self.gqa, self.new_tokens = cache, start, gqa, new_tokens
+
+    def decode_cache(self) -> DecodeCache | None:
+        """For the native decode step: one new token per sequence, written at position start."""
+        if self.cache is None or self.new_tokens != 1:
+            return None
+        b = self.cache.k[0].shape[0]
+        return DecodeCache(
+            k=self.cache.k_by_position,
+            v=self.cache.v_by_position,
+            write_batch=torch.arange(b),
+            write_pos=torch.full((b,), self.start),
+            lengths=torch.full((b,), self.start + 1),
+            slots=None,
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
@@ -183,6 +204,17 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def native_decode_plan(self) -> list | None:
+        """The native decode plans, built on first use (after loading, kernel routing and fusion)."""
+        if not hasattr(self, "_native_plan"):
+            self._native_plan = native_decode.build_plan(self)
+            log.info("decode steps: %s", "native (one call per step)" if self._native_plan else "Python layer loop")
+        return self._native_plan
+
+    def reset_native_decode_plan(self) -> None:
+        """Call after changing the model's modules or kernels once it has run."""
+        self.__dict__.pop("_native_plan", None)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.spec, batch, max_len, self.dtype)
 
@@ -191,6 +223,13 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         """Final-norm hidden states [..., H] for token ids [...] at the given positions."""
+        decode_cache = getattr(backend, "decode_cache", lambda: None)()
+        if decode_cache is not None:
+            plans = self.native_decode_plan()
+            if plans is not None:
+                flat = positions.expand(input_ids.shape).reshape(-1)  # one position per token
+                cos, sin = cos_sin(self.inv_freq, flat, self.dtype)
+                return native_decode.decode(self, plans, input_ids, cos, sin, decode_cache)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
         h = self.model.embed_tokens(input_ids)
         if self.spec.embedding_scale != 1.0:
@@ -209,7 +248,7 @@ class CausalLM(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None and start + t > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens; {start + t} requested")
-        backend = ContiguousAttention(cache, start, gqa=self.spec.num_heads != self.spec.num_kv_heads)
+        backend = ContiguousAttention(cache, start, self.spec.num_heads != self.spec.num_kv_heads, new_tokens=t)
         h = self.forward_tokens(input_ids, torch.arange(start, start + t), backend)
         if cache is not None:
             cache.length = start + t

@@ -75,4 +75,6 @@ def fuse_projections(model: nn.Module) -> int:
             mlp.gate_up_proj = gate_up
             del mlp.gate_proj, mlp.up_proj
             count += 1
+    if hasattr(model, "reset_native_decode_plan"):
+        model.reset_native_decode_plan()
     return count

@@ -64,20 +64,31 @@ def quantize_modules(model: CausalLM, spec: ModelSpec, source: str) -> dict[str,
     return swapped
 
 
+LM_HEAD_KINDS = ("int8", "int4")
+
+
 def _quantize_lm_head(model: CausalLM, kind: str) -> None:
-    """Opt-in: the output head as W8A8 (int8 per channel, int8 per-token activations). It halves the
-    bytes a decode step reads for a bf16 head; logits move by the quantization error."""
-    if kind != "int8":
-        raise ConfigError(f"--quantize-lm-head {kind!r}: only int8 is supported")
+    """Opt-in: the output head quantized like the body's linears, per-token int8 activations. A
+    decode step reads the whole head (49152 x 576 for SmolLM2, 130560 x 2048 for MiniCPM5-2B): int8
+    halves a bf16 head's bytes, int4 (groups of 128, else 64 or 32) quarters them; logits move by the
+    quantization error (tests/test_lm_head.py bounds it)."""
+    if kind not in LM_HEAD_KINDS:
+        raise ConfigError(f"--quantize-lm-head {kind!r}: expected one of {', '.join(LM_HEAD_KINDS)}")
     from cpuserve.quant.quantize import quantize_weight_in_chunks
 
     head = model.lm_head
-    quant = WeightQuant(bits=8, group_size=None, packed=False)
+    if kind == "int8":
+        quant = WeightQuant(bits=8, group_size=None, packed=False)
+    else:
+        group = next((g for g in (128, 64, 32) if head.in_features % g == 0), None)
+        if group is None:
+            raise ConfigError(f"--quantize-lm-head int4: hidden size {head.in_features} is not a multiple of 32")
+        quant = WeightQuant(bits=4, group_size=group, packed=False)
     q, scale = quantize_weight_in_chunks(head.weight, quant)
     new = QuantLinear(head.in_features, head.out_features, quant, bias=False)
     new.qweight, new.scales = q, scale.float()
     model.lm_head = new
-    log.info("lm_head quantized to int8 (W8A8): logits carry its rounding error")
+    log.info("lm_head quantized to %s: logits carry its rounding error", quant.name)
 
 
 def load_model(

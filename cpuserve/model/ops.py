@@ -21,13 +21,18 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @cache
-def _native() -> ModuleType | None:
-    if os.environ.get("CPUSERVE_NATIVE_OPS", "1") == "0" or os.environ.get("CPUSERVE_ISA") == "reference":
-        return None
+def _module() -> ModuleType | None:
     from cpuserve.kernels import native
 
     module = native()
     return module if module is not None and hasattr(module, "rms_norm") else None
+
+
+def _native() -> ModuleType | None:
+    """The kernel module, unless the environment asks for torch (read at each call: tests switch)."""
+    if os.environ.get("CPUSERVE_NATIVE_OPS", "1") == "0" or os.environ.get("CPUSERVE_ISA") == "reference":
+        return None
+    return _module()
 
 
 def native_ops_enabled() -> bool:

@@ -91,12 +91,21 @@ class QuantLinear(nn.Module):
                 self.packed = kernels.pack_int4(self.int_weight(), variant)
             self.packed_layout = layout
             self.qweight = None
+        elif kernels.int8_layout(variant) == "offset":  # uint8 w + 128, for vpdpbusd's unsigned operand
+            if self.packed is None:
+                self.packed = kernels.pack_int8(self.qweight, variant)
+            self.packed_layout = "offset"
+            self.qweight = None
+        elif self.qweight is None:  # was offset for another variant
+            self.qweight, self.packed = self.int_weight(), None
         self.native, self.variant = kernels, variant
         return True
 
     def int_weight(self) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight
+        if self.quant.bits == 8:
+            return (self.packed ^ 0x80).view(torch.int8)
         return unpack_nibbles(self.packed, self.in_features, self.packed_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +116,8 @@ class QuantLinear(nn.Module):
         if self.quant.bits == 4:
             y = self.native.w4a8_linear(x2, self.packed, self.scales, self.bias, self.variant)
         else:
-            y = self.native.w8a8_linear(x2, self.qweight, self.scales.view(-1), self.bias, self.variant)
+            weight = self.qweight if self.qweight is not None else self.packed
+            y = self.native.w8a8_linear(x2, weight, self.scales.view(-1), self.bias, self.variant)
         return y.view(*lead, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -129,6 +139,8 @@ def use_native_kernels(model: nn.Module) -> str:
     if kernels is None:
         return "reference (pure torch)"
     done = sum(m.use_native(kernels, variant) for m in quantized)
+    if hasattr(model, "reset_native_decode_plan"):
+        model.reset_native_decode_plan()
     return f"native {variant} ({done}/{len(quantized)} layers; the rest reference)"
 
 

@@ -83,8 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize-lm-head",
         default=None,
-        choices=["int8"],
-        help="opt-in: the output head as W8A8 (faster decode; logits carry int8 rounding)",
+        choices=["int8", "int4"],
+        help="opt-in: the output head quantized (int8: W8A8, half a bf16 head's bytes; int4: W4A8 in groups"
+        " of 128/64/32, a quarter): faster decode, logits and logprobs carry the rounding error",
     )
     # Accepted, no effect here (see NO_EFFECT).
     p.add_argument("--enforce-eager", action="store_true")

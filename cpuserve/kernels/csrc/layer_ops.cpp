@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 constexpr int kLanes = 8;

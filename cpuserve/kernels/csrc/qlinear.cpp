@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
 #include "qlinear_core.h"
 
 namespace {
@@ -14,57 +15,120 @@ const cpk::Variant& variant_or_fail(const std::string& name) {
   return *v;
 }
 
-// Per-token quantization of x [M, K] (fp32), rows shared out over the pool.
-void quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scales, int32_t* sums) {
+// A row as fp32: itself, or widened into buf.
+inline const float* widen(const float* row, int64_t, std::vector<float>&) { return row; }
+template <typename T>
+const float* widen(const T* row, int64_t k, std::vector<float>& buf) {
+  buf.resize(k);
+  for (int64_t i = 0; i < k; ++i) buf[i] = static_cast<float>(row[i]);
+  return buf.data();
+}
+
+// Per-token quantization of x [M, K] (fp32, bf16 or fp16, contiguous), rows shared out over the
+// pool; a 16-bit row is widened into a per-thread buffer first (no fp32 copy of the whole input).
+void quantize_rows(const torch::Tensor& x, int64_t group, int8_t* q, float* scales, int32_t* sums) {
+  const int64_t m = x.size(0), k = x.size(1);
   const int64_t groups = group > 0 ? k / group : 0;
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      cpk::quantize_row(x + r * k, k, group, q + r * k, scales + r, sums ? sums + r * groups : nullptr);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> wide;
+      for (int64_t r = begin; r < end; ++r)
+        cpk::quantize_row(widen(xp + r * k, k, wide), k, group, q + r * k, scales + r,
+                          sums ? sums + r * groups : nullptr);
+    });
   });
 }
 
+// fp32 results [M, N] (+ bias) in the input's dtype: rounded once, as out.to(dtype) would.
 torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, c10::ScalarType dtype) {
-  if (bias.has_value()) out.add_(bias->to(torch::kFloat32));
-  return dtype == torch::kFloat32 ? out : out.to(dtype);
+  torch::Tensor b = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t m = out.size(0), n = out.size(1);
+  float* op = out.data_ptr<float>();
+  if (dtype == torch::kFloat32) {
+    if (bp)
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < n; ++c) op[r * n + c] += bp[c];
+    return out;
+  }
+  auto result = torch::empty({m, n}, out.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "finish", [&] {
+    scalar_t* rp = result.data_ptr<scalar_t>();
+    at::parallel_for(0, m * n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) rp[i] = static_cast<scalar_t>(bp ? op[i] + bp[i % n] : op[i]);
+    });
+  });
+  return result;
 }
 
 }  // namespace
 
-// x [M, K] (fp32 or bf16), qweight int8 [N, K], scales fp32 [N]: out [M, N] in x's dtype.
+// x [M, K] (fp32 or bf16), weight [N, K] as pack_int8 left it for the variant (int8, or uint8 offset),
+// scales fp32 [N]: out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, std::string variant) {
   const cpk::Variant& v = variant_or_fail(variant);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t m = xf.size(0), k = xf.size(1), n = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) == k && qweight.scalar_type() == torch::kInt8, "w8a8_linear: bad weight");
+  const bool offset = cpk::int8_offset(v);
+  auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == k && qweight.scalar_type() == (offset ? torch::kUInt8 : torch::kInt8),
+              "w8a8_linear: the weight must be [N, K] as pack_int8 gives it for ", variant);
   auto q = torch::empty({m, k}, torch::kInt8);
   auto sa = torch::empty({m}, torch::kFloat32);
-  quantize_rows(xf.data_ptr<float>(), m, k, 0, q.data_ptr<int8_t>(), sa.data_ptr<float>(), nullptr);
+  auto sums = torch::empty({m}, torch::kInt32);  // offset weights: one activation sum per row
+  quantize_rows(xc, offset ? k : 0, q.data_ptr<int8_t>(), sa.data_ptr<float>(),
+                offset ? sums.data_ptr<int32_t>() : nullptr);
   auto out = torch::empty({m, n}, torch::kFloat32);
   const int8_t* qa = q.data_ptr<int8_t>();
-  const int8_t* qw = qweight.data_ptr<int8_t>();
   const float* sw = scales.data_ptr<float>();
   const float* sap = sa.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    cpk::w8a8_columns(v, qa, sap, m, k, qw, sw, n, begin, end, o);
-  });
+  if (offset) {
+    const uint8_t* pw = qweight.data_ptr<uint8_t>();
+    const int32_t* asum = sums.data_ptr<int32_t>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      cpk::w8a8_offset_columns(v, qa, sap, asum, m, k, pw, sw, n, begin, end, o);
+    });
+  } else {
+    const int8_t* qw = qweight.data_ptr<int8_t>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      cpk::w8a8_columns(v, qa, sap, m, k, qw, sw, n, begin, end, o);
+    });
+  }
   return finish(out, bias, x.scalar_type());
+}
+
+// int8 [N, K] -> the variant's W8A8 weight: the same int8, or uint8 w + 128 (int8_layout "offset").
+torch::Tensor pack_int8(torch::Tensor q, std::string variant) {
+  if (!cpk::int8_offset(variant_or_fail(variant))) return q.contiguous();
+  auto src_t = q.contiguous();
+  const int64_t n = q.size(0), k = q.size(1);
+  auto out = torch::empty({n, k}, torch::kUInt8);
+  const int8_t* src = src_t.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) cpk::offset_int8_row(src + r * k, k, dst + r * k);
+  });
+  return out;
+}
+
+std::string int8_layout(std::string variant) {
+  return cpk::int8_offset(variant_or_fail(variant)) ? "offset" : "signed";
 }
 
 // x [M, K], packed uint8 [N, K / 2] (the core's nibble layout), scales fp32 [N, G]: out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, std::string variant) {
   const cpk::Variant& v = variant_or_fail(variant);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t m = xf.size(0), k = xf.size(1), n = packed.size(0), groups = scales.size(1);
+  auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = packed.size(0), groups = scales.size(1);
   const int64_t group = k / groups;
   TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
   auto q = torch::empty({m, k}, torch::kInt8);
   auto sa = torch::empty({m}, torch::kFloat32);
   auto sums = torch::empty({m, groups}, torch::kInt32);
-  quantize_rows(xf.data_ptr<float>(), m, k, group, q.data_ptr<int8_t>(), sa.data_ptr<float>(),
-                sums.data_ptr<int32_t>());
+  quantize_rows(xc, group, q.data_ptr<int8_t>(), sa.data_ptr<float>(), sums.data_ptr<int32_t>());
   auto out = torch::empty({m, n}, torch::kFloat32);
   const int8_t* qa = q.data_ptr<int8_t>();
   const uint8_t* pw = packed.data_ptr<uint8_t>();
@@ -128,12 +192,16 @@ std::vector<std::string> variants() {
   return names;
 }
 
-void register_layer_ops(pybind11::module& mod);  // layer_ops.cpp
+void register_layer_ops(pybind11::module& mod);      // layer_ops.cpp
+void register_decoder_layers(pybind11::module& mod);  // decoder_layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_layer_ops(mod);
+  register_decoder_layers(mod);
   mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
+  mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8, or uint8 offset by 128)");
+  mod.def("int8_layout", &int8_layout, "signed or offset: how the variant stores W8A8 weights");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
   mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");
   mod.def("int4_layout", &int4_layout, "offset or twos_complement: how the variant stores int4 nibbles");

@@ -299,6 +299,53 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_blocks_vnni(const int8_t
   }
 #undef CPK_U4_BLOCK
 }
+
+// W8A8 blocks of R activation rows x C output columns, weights stored offset (w + 128 as uint8,
+// repacked at load by offset_int8_row): vpdpbusd takes them as the unsigned operand directly, so
+// 64 weights of one column cost one load and one vpdpbusd per row, where dot_i8_vnni needs five
+// instructions (sign juggling) per row and column. The accumulator starts at -128 * sum(a) (lane 0),
+// so it ends at the exact integer dot product: the float epilogue, and so the result, is the twin's.
+template <int R, int C>
+__attribute__((target(CPK_VNNI_TARGET))) inline void u8_block_vnni(const int8_t* qa, const int32_t* asum, int64_t k,
+                                                                   const uint8_t* pw, int32_t* out,
+                                                                   int64_t out_stride) {
+  __m512i acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_maskz_set1_epi32(0x0001, -128 * asum[r]);
+  for (int64_t i = 0; i < k; i += 64) {
+    const __mmask64 mask = k - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - i)) - 1;
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_maskz_loadu_epi8(mask, qa + r * k + i);
+    for (int c = 0; c < C; ++c) {
+      const __m512i w = _mm512_maskz_loadu_epi8(mask, pw + c * k + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w, a[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * out_stride + c] = _mm512_reduce_add_epi32(acc[r][c]);
+}
+
+// Output columns [c0, c1) for rows [0, m) of W8A8 with offset weights: integer dot products into dots
+// [M, c1 - c0] (int32), blocks of 2x4 then the edges.
+__attribute__((target(CPK_VNNI_TARGET))) inline void u8_blocks_vnni(const int8_t* qa, const int32_t* asum, int64_t m,
+                                                                    int64_t k, const uint8_t* pw, int64_t c0,
+                                                                    int64_t c1, int32_t* dots) {
+  const int64_t width = c1 - c0;  // dots is [M, c1 - c0]
+#define CPK_U8_BLOCK(R, C, r, c) \
+  u8_block_vnni<R, C>(qa + (r) * k, asum + (r), k, pw + (c) * k, dots + (r) * width + ((c) - c0), width)
+  int64_t c = c0;
+  for (; c + 4 <= c1; c += 4) {
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2) CPK_U8_BLOCK(2, 4, r, c);
+    if (r < m) CPK_U8_BLOCK(1, 4, r, c);
+  }
+  for (; c < c1; ++c) {
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2) CPK_U8_BLOCK(2, 1, r, c);
+    if (r < m) CPK_U8_BLOCK(1, 1, r, c);
+  }
+#undef CPK_U8_BLOCK
+}
 #endif  // __x86_64__
 
 #if defined(__aarch64__)
@@ -564,6 +611,25 @@ inline void w8a8_columns(const Variant& v, const int8_t* qa, const float* sa, in
   }
   for (int64_t c = c0; c < c1; ++c)
     for (int64_t rr = r; rr < m; ++rr) put(rr, c, v.dot_i8(qa + rr * k, qw + c * k, k));
+}
+
+// Whether the variant stores W8A8 weights offset (w + 128 as uint8; see u8_block_vnni) or as int8.
+inline bool int8_offset(const Variant& v) { return std::strcmp(v.name, "avx512_vnni") == 0; }
+
+inline void offset_int8_row(const int8_t* src, int64_t k, uint8_t* dst) {
+  for (int64_t i = 0; i < k; ++i) dst[i] = uint8_t(src[i]) ^ 0x80;
+}
+
+// W8A8 with offset weights (int8_offset variants): as w8a8_columns, with per-row activation sums asum.
+inline void w8a8_offset_columns(const Variant& v, const int8_t* qa, const float* sa, const int32_t* asum, int64_t m,
+                                int64_t k, const uint8_t* pw, const float* sw, int64_t n, int64_t c0, int64_t c1,
+                                float* out) {
+  std::vector<int32_t> dots(static_cast<size_t>(m * (c1 - c0)));
+#if defined(__x86_64__)
+  if (int8_offset(v)) u8_blocks_vnni(qa, asum, m, k, pw, c0, c1, dots.data());
+#endif
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = c0; c < c1; ++c) out[r * n + c] = (float(dots[r * (c1 - c0) + c - c0]) * sw[c]) * sa[r];
 }
 
 // W4A8: packed nibbles pw [N, K/2] in the variant's layout, scales sw [N, G], per-row per-group

@@ -1,0 +1,165 @@
+"""The whole speed comparison in one run (`benchmarks/run`): prepares the same weights for both
+engines (once; kept in the work directory), measures cpuserve W4A8 against llama.cpp Q4_0 and
+cpuserve W8A8 against Q8_0 on SmolLM2-135M and on the MiniCPM5-2B shape, and writes the table and a
+plot into docs/.
+
+python -m cpuserve.bench.suite --work DIR --llamacpp-python PY [--repeats 3] [--only smol|2b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from cpuserve.bench.speed import SpeedResult, decode_bytes, measure_speed, ratios, render_speed
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+BEGIN, END = "<!-- bench-suite:begin -->", "<!-- bench-suite:end -->"
+LM_HEAD = "int8"  # llama.cpp's exports keep the output head at 8 bits (Q8_0): the same for cpuserve
+
+# (key, cpuserve label, cpuserve dir, scheme, group, llama.cpp label, gguf, gguf type); dirs in --work.
+PAIRS = {
+    "smol": [
+        ("SmolLM2 W4A8-G64", "smol/smol-w4a8-g64", "w4a8", 64, "SmolLM2 Q4_0", "smol/smol-q4_0.gguf", "q4_0"),
+        ("SmolLM2 W8A8", "smol/smol-w8a8", "w8a8", None, "SmolLM2 Q8_0", "smol/smol-q8_0.gguf", "q8_0"),
+    ],
+    "2b": [
+        ("2B W4A8-G128", "minicpm5-2b-w4a8", "w4a8", 128, "2B Q4_0", "minicpm5-2b-q4_0.gguf", "q4_0"),
+        ("2B W8A8", "minicpm5-2b-w8a8", "w8a8", None, "2B Q8_0", "minicpm5-2b-q8_0.gguf", "q8_0"),
+    ],
+}
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def prepare(work: Path, model: str) -> None:
+    """Create whatever is missing: the bf16 source, the cpuserve checkpoints, the GGUFs."""
+    from cpuserve.bench.gguf_export import export_gguf
+    from cpuserve.bench.make_model import make_model
+    from cpuserve.model.resolve import bundled_gguf, resolve_model
+    from cpuserve.quant.quantize import quantize_checkpoint
+
+    bundled = resolve_model(None)
+    if model == "smol":
+        source = bundled
+    else:
+        source = work / "minicpm5-2b-bf16"
+        if not source.exists():
+            _say(f"making the MiniCPM5-2B-shaped bf16 model (random weights) in {source}")
+            make_model("minicpm5-2b", source, bundled)
+    for _, ours, scheme, group, _, gguf, qtype in PAIRS[model]:
+        if not (work / ours).exists():
+            _say(f"quantizing {source.name} -> {ours} ({scheme}, data-free)")
+            quantize_checkpoint(source, work / ours, scheme, group, pack=scheme == "w4a8")
+        if not (work / gguf).exists():
+            _say(f"exporting {source.name} -> {gguf}")
+            (work / gguf).parent.mkdir(parents=True, exist_ok=True)
+            export_gguf(source, work / gguf, qtype, bundled_gguf())
+
+
+def plot_svg(result: SpeedResult) -> str:
+    """Grouped bars: cpuserve / llama.cpp per pair for prefill 128, prefill N, decode; a line at 1.0."""
+    metrics = [("pp128", "prefill 128"), (f"pp{result.prompt}", f"prefill {result.prompt}"), ("tg", "decode")]
+    colors = ["#4c78a8", "#72b7b2", "#f58518"]
+    values = [[ratios(pair, result.prompt)[key] for key, _ in metrics] for pair in result.pairs]
+    top = max(2.0, max(max(v) for v in values) * 1.15)
+    width, height, left, bottom, plot_h = 160 * len(values) + 120, 360, 60, 300, 260
+    scale = plot_h / top
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="12">',
+        f'<text x="{left}" y="18" font-size="14">cpuserve / llama.cpp on the same weights (higher is better), '
+        f"{result.threads} threads</text>",
+    ]
+    for tick in range(int(top) + 1):
+        y = bottom - tick * scale
+        out.append(f'<line x1="{left}" x2="{width - 20}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 8}" y="{y + 4:.1f}" text-anchor="end">{tick}x</text>')
+    y1 = bottom - scale
+    out.append(f'<line x1="{left}" x2="{width - 20}" y1="{y1:.1f}" y2="{y1:.1f}" stroke="#333" stroke-dasharray="4"/>')
+    for i, (pair, vals) in enumerate(zip(result.pairs, values, strict=True)):
+        x0 = left + 20 + 160 * i
+        for j, v in enumerate(vals):
+            x, h = x0 + 40 * j, v * scale
+            out.append(f'<rect x="{x}" y="{bottom - h:.1f}" width="34" height="{h:.1f}" fill="{colors[j]}"/>')
+            out.append(f'<text x="{x + 17}" y="{bottom - h - 4:.1f}" text-anchor="middle">{v:.2f}</text>')
+        out.append(f'<text x="{x0 + 57}" y="{bottom + 18}" text-anchor="middle">{pair.ours}</text>')
+        out.append(f'<text x="{x0 + 57}" y="{bottom + 32}" text-anchor="middle" fill="#666">vs {pair.theirs}</text>')
+    for j, (_, name) in enumerate(metrics):
+        x = left + 20 + 130 * j
+        out.append(f'<rect x="{x}" y="{height - 16}" width="12" height="12" fill="{colors[j]}"/>')
+        out.append(f'<text x="{x + 16}" y="{height - 6}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def write_docs(result: SpeedResult, command: str, docs: Path = DOCS) -> None:
+    """Replace the generated section of docs/benchmarks.md (appended the first time) and the plot."""
+    (docs / "speed.svg").write_text(plot_svg(result) + "\n")
+    section = "\n".join(
+        [
+            BEGIN,
+            "## cpuserve against llama.cpp, one run (generated by `benchmarks/run`)",
+            "",
+            f"`{command}`; cpuserve's output head `--quantize-lm-head {LM_HEAD}` (llama.cpp's exports keep the "
+            "head at Q8_0); data-free quantization for both engines; random weights at the MiniCPM5-2B shape.",
+            "",
+            render_speed(result),
+            "",
+            "![cpuserve / llama.cpp](speed.svg)",
+            END,
+        ]
+    )
+    path = docs / "benchmarks.md"
+    text = path.read_text()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", required=True, type=Path, help="where the models are kept between runs")
+    parser.add_argument("--llamacpp-python", required=True, help="a python with llama-cpp-python installed")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--only", choices=sorted(PAIRS), action="append", help="one model family (repeatable)")
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/ alone")
+    args = parser.parse_args(argv)
+    families = args.only or ["smol", "2b"]
+    pairs, sizes = [], {}
+    for family in families:
+        prepare(args.work, family)
+        for ours, ours_dir, _, _, theirs, gguf, _ in PAIRS[family]:
+            sizes.update(decode_bytes(ours, args.work / ours_dir, theirs, args.work / gguf, lm_head=LM_HEAD))
+            pairs.append((ours, args.work / ours_dir, theirs, args.work / gguf))
+    result = measure_speed(
+        pairs,
+        args.llamacpp_python,
+        args.threads,
+        512,
+        args.decode,
+        args.repeats,
+        sizes,
+        env={"CPUSERVE_QUANTIZE_LM_HEAD": LM_HEAD},
+    )
+    print(render_speed(result))
+    (args.work / "speed.json").write_text(json.dumps(asdict(result), indent=1))
+    if not args.no_docs:
+        only = "".join(f" --only {f}" for f in args.only or [])
+        write_docs(result, f"benchmarks/run --repeats {args.repeats} --decode {args.decode}{only}")
+        _say("wrote docs/benchmarks.md and docs/speed.svg")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

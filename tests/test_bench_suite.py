@@ -1,0 +1,37 @@
+"""benchmarks/run's report: the table, ratios and plot come from the measurements, and regenerating
+replaces the generated section of docs/benchmarks.md instead of appending another."""
+
+from __future__ import annotations
+
+from cpuserve.bench.speed import PairResult, SpeedResult, render_speed
+from cpuserve.bench.suite import BEGIN, END, plot_svg, write_docs
+
+
+def _result() -> SpeedResult:
+    ours = {"load_s": 2.0, "pp128": 300.0, "pp512": 250.0, "tg": 90.0, "peak_rss_mb": 500.0}
+    theirs = {"load_s": 0.1, "pp128": 600.0, "pp512": 500.0, "tg": 60.0, "peak_rss_mb": 250.0}
+    pair = PairResult("A W4A8", "A Q4_0", {"A W4A8": ours, "A Q4_0": theirs}, {"A W4A8": 10**8, "A Q4_0": 2 * 10**8})
+    return SpeedResult(threads=2, bandwidth_gbs=20.0, prompt=512, decode=128, repeats=3, pairs=[pair])
+
+
+def test_table_and_ratios_come_from_the_medians():
+    text = render_speed(_result())
+    assert "| A W4A8 | 300.0 | 250.0 | 427 | 90.00 | 9.0 (45%) | 2.0 | 500 |" in text
+    assert "| A Q4_0 | 600.0 | 500.0 | 213 | 60.00 | 12.0 (60%) | 0.1 | 250 |" in text
+    assert "prefill pp512 **0.50x**, pp128 0.50x, decode **1.50x**" in text
+
+
+def test_plot_has_one_bar_per_ratio():
+    svg = plot_svg(_result())
+    assert svg.startswith("<svg") and svg.count("<rect") == 3 + 3  # 3 bars + 3 legend swatches
+    assert ">1.50<" in svg and ">0.50<" in svg
+
+
+def test_regenerating_replaces_the_section(tmp_path):
+    (tmp_path / "benchmarks.md").write_text("# Benchmarks\n\nhand-written text\n")
+    write_docs(_result(), "benchmarks/run", docs=tmp_path)
+    write_docs(_result(), "benchmarks/run --repeats 5", docs=tmp_path)
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written text\n")
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and "--repeats 5" in text
+    assert (tmp_path / "speed.svg").read_text().startswith("<svg")

@@ -1,0 +1,45 @@
+"""The opt-in quantized output head (--quantize-lm-head): what it changes, bounded against the
+unquantized head on real SmolLM2 weights and real text (measured: int8 KL 0.007, top-1 95%, NLL
+-0.1%; int4 KL 0.17, top-1 75%, NLL +4.2%)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpuserve.errors import ConfigError
+from cpuserve.model.loader import load_model
+from cpuserve.quant.schemes import QuantLinear
+from cpuserve.tokenizer import Tokenizer
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+# kind -> (mean KL budget, least top-1 agreement, largest relative NLL change)
+BUDGETS = {"int8": (0.02, 0.92, 0.01), "int4": (0.3, 0.68, 0.08)}
+
+
+@pytest.fixture(scope="module")
+def reference(smol_dir):
+    ids = torch.tensor([Tokenizer(smol_dir).encode(TEXT.read_text()[:6000])[:400]])
+    return ids, load_model(smol_dir, "float32")(ids)[0].log_softmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_head_stays_close_to_the_float_head(smol_dir, reference, kind):
+    ids, ref = reference
+    model = load_model(smol_dir, "float32", quantize_lm_head=kind)
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.quant.bits == (8 if kind == "int8" else 4)
+    assert model.lm_head.native is not None  # on the native kernels, like the body
+    got = model(ids)[0].log_softmax(-1)
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    target = ids[0, 1:, None]
+    nll_ref, nll = -ref[:-1].gather(1, target).mean().item(), -got[:-1].gather(1, target).mean().item()
+    kl_budget, least_agree, nll_budget = BUDGETS[kind]
+    assert kl <= kl_budget and agree >= least_agree and abs(nll / nll_ref - 1) <= nll_budget, (kl, agree, nll)
+
+
+def test_an_unknown_head_kind_is_refused(smol_dir):
+    with pytest.raises(ConfigError, match="expected one of int8, int4"):
+        load_model(smol_dir, "float32", quantize_lm_head="int3")
