@@ -40,6 +40,22 @@ void quantize_rows(const torch::Tensor& x, int64_t group, int8_t* q, float* scal
   });
 }
 
+// One matmul's quantized activations, in buffers kept per calling thread and reused: a decode step
+// makes ~120 matmuls, and four tensor allocations each showed in its profile.
+struct Activations {
+  std::vector<int8_t> q, blocks;
+  std::vector<float> scales;
+  std::vector<int32_t> sums;
+};
+
+Activations& scratch(int64_t m, int64_t k, int64_t groups) {
+  thread_local Activations act;
+  act.q.resize(m * k);
+  act.scales.resize(m);
+  act.sums.resize(m * groups);
+  return act;
+}
+
 // fp32 results [M, N] (+ bias) in the input's dtype: rounded once, as out.to(dtype) would.
 torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, c10::ScalarType dtype) {
   torch::Tensor b = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
@@ -74,19 +90,16 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == k && qweight.scalar_type() == (offset ? torch::kUInt8 : torch::kInt8),
               "w8a8_linear: the weight must be [N, K] as pack_int8 gives it for ", variant);
-  auto q = torch::empty({m, k}, torch::kInt8);
-  auto sa = torch::empty({m}, torch::kFloat32);
-  auto sums = torch::empty({m}, torch::kInt32);  // offset weights: one activation sum per row
-  quantize_rows(xc, offset ? k : 0, q.data_ptr<int8_t>(), sa.data_ptr<float>(),
-                offset ? sums.data_ptr<int32_t>() : nullptr);
+  Activations& act = scratch(m, k, 1);  // offset weights: one activation sum per row
+  quantize_rows(xc, offset ? k : 0, act.q.data(), act.scales.data(), offset ? act.sums.data() : nullptr);
   auto out = torch::empty({m, n}, torch::kFloat32);
-  const int8_t* qa = q.data_ptr<int8_t>();
+  const int8_t* qa = act.q.data();
   const float* sw = scales.data_ptr<float>();
-  const float* sap = sa.data_ptr<float>();
+  const float* sap = act.scales.data();
   float* o = out.data_ptr<float>();
   if (offset) {
     const uint8_t* pw = qweight.data_ptr<uint8_t>();
-    const int32_t* asum = sums.data_ptr<int32_t>();
+    const int32_t* asum = act.sums.data();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       cpk::w8a8_offset_columns(v, qa, sap, asum, m, k, pw, sw, n, begin, end, o);
     });
@@ -125,22 +138,19 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t m = xc.size(0), k = xc.size(1), n = packed.size(0), groups = scales.size(1);
   const int64_t group = k / groups;
   TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
-  auto q = torch::empty({m, k}, torch::kInt8);
-  auto sa = torch::empty({m}, torch::kFloat32);
-  auto sums = torch::empty({m, groups}, torch::kInt32);
-  quantize_rows(xc, group, q.data_ptr<int8_t>(), sa.data_ptr<float>(), sums.data_ptr<int32_t>());
+  Activations& act = scratch(m, k, groups);
+  quantize_rows(xc, group, act.q.data(), act.scales.data(), act.sums.data());
   auto out = torch::empty({m, n}, torch::kFloat32);
-  const int8_t* qa = q.data_ptr<int8_t>();
+  const int8_t* qa = act.q.data();
   const uint8_t* pw = packed.data_ptr<uint8_t>();
   const float* sw = scales.data_ptr<float>();
-  const float* sap = sa.data_ptr<float>();
-  const int32_t* gs = sums.data_ptr<int32_t>();
+  const float* sap = act.scales.data();
+  const int32_t* gs = act.sums.data();
   float* o = out.data_ptr<float>();
-  torch::Tensor blocks;  // the activations in the block kernel's order, where it applies
-  const int8_t* qb = nullptr;
+  const int8_t* qb = nullptr;  // the activations in the block kernel's order, where it applies
   if (std::strcmp(v.name, "avx512_vnni") == 0 && cpk::u4_blocks_fit(k, group)) {
-    blocks = torch::empty({m, k}, torch::kInt8);
-    int8_t* b = blocks.data_ptr<int8_t>();
+    act.blocks.resize(m * k);
+    int8_t* b = act.blocks.data();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) cpk::permute_for_u4_blocks(qa + r * k, k, b + r * k);
     });
