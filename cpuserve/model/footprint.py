@@ -56,8 +56,7 @@ def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, di
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {
             "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(qc, compute),
-            "attention": "decode: grouped fp32 matmuls per KV head; prefill: torch scaled_dot_product_attention",
-            "norm, rope, activation": "torch",
+            **_float_op_kernels(spec),
         },
     }
     return spec, compute, facts
@@ -93,6 +92,24 @@ def _scheme(qc: QuantConfig | None, compute: torch.dtype) -> str:
         return f"unquantized, computed in {dense}"
     names = sorted({g.weight.name for g in qc.groups})
     return f"compressed-tensors {', '.join(names)}, int8 per-token activations; the rest in {dense}"
+
+
+def _float_op_kernels(spec: ModelSpec) -> dict[str, str]:
+    """What runs around the linears (the same switches as model/ops.py and model/native_decode.py)."""
+    from cpuserve.model import native_decode, ops
+
+    if not ops.native_ops_enabled():
+        return {
+            "attention": "decode: grouped fp32 matmuls per KV head (torch); prefill: torch SDPA",
+            "norm, rope, activation": "torch",
+            "decode step": "Python layer loop",
+        }
+    whole = native_decode.enabled() and not spec.qk_norm
+    return {
+        "attention": "decode: native, reads the KV cache in place; prefill: torch SDPA",
+        "norm, rope, activation": "native (residual add fused with the next norm)",
+        "decode step": "native, all layers in one call" if whole else "Python layer loop (native ops)",
+    }
 
 
 def _linear_kernels(qc: QuantConfig | None, compute: torch.dtype) -> str:
