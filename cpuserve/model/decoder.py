@@ -1,4 +1,6 @@
-"""The plain-torch decoder: the reference every faster path is checked against.
+"""The decoder. With CPUSERVE_ISA=reference (or CPUSERVE_NATIVE_OPS=0 for the float ops) it is plain
+torch: the reference every faster path is checked against; otherwise its float ops run natively
+(model/ops.py) and decode steps take one native call for all layers (model/native_decode.py).
 
 One module tree for Llama, Qwen2, Qwen3 and MiniCPM; the ModelSpec switches decide biases, q/k
 norms and MiniCPM scalings. Parameter names equal the HF checkpoint names, so loading is a lookup.
