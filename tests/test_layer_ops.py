@@ -133,10 +133,9 @@ def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype
     seq_slots = [perm[sum(lengths[:i]) : sum(lengths[: i + 1])] for i in range(n)]
     longest = max(lengths)
     slots = torch.stack([torch.cat((s, s[:1].expand(longest - len(s)))) for s in seq_slots])
-    valid = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     unused = perm[sum(lengths) :]
     kc[unused], vc[unused] = float("nan"), float("nan")  # nobody may read a slot outside its context
-    got = ops.decode_attention_paged(q, kc, vc, slots, valid, torch.tensor(lengths))
+    got = ops.decode_attention_paged(q, kc, vc, slots, torch.tensor(lengths))
     assert got.dtype == dtype and got.shape == (n, hq, d)
     for i, s in enumerate(seq_slots):
         want = _sdpa(q[i], kc[s].transpose(0, 1), vc[s].transpose(0, 1))

@@ -46,15 +46,15 @@ def decode_bytes(
     table, unless the table is also the output head). lm_head: cpuserve's --quantize-lm-head."""
     from cpuserve.model.footprint import model_facts
     from cpuserve.model.gguf_convert import open_gguf
+    from cpuserve.model.loader import lm_head_quant
 
     spec, _, facts = model_facts(ours_dir, "auto")
     table = spec.vocab_size * spec.hidden_size * 2  # bf16 embedding; an untied head is the same size
-    body = facts["weights_bytes"] - table * (1 if spec.tie_word_embeddings else 2)
-    if lm_head == "int8":
-        head = table // 2 + spec.vocab_size * 4
-    elif lm_head == "int4":
-        group = next(g for g in (128, 64, 32) if spec.hidden_size % g == 0)
-        head = table // 4 + spec.vocab_size * (spec.hidden_size // group) * 4
+    body = facts["weights_bytes_native"] - table * (1 if spec.tie_word_embeddings else 2)
+    if lm_head:  # values at the scheme's bits plus fp32 scales, per output and group
+        quant = lm_head_quant(lm_head, spec.hidden_size)
+        groups = spec.hidden_size // (quant.group_size or spec.hidden_size)
+        head = table // 2 * quant.bits // 8 + spec.vocab_size * groups * 4
     else:
         head = table
     ours = body + head

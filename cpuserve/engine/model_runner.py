@@ -49,20 +49,17 @@ class ModelRunner:
             slot_mapping=torch.cat(slots),
             decode_rows=None,
             decode_slots=None,
-            decode_mask=None,
             decode_lengths=None,
             prefills=prefills,
         )
         if decode_rows:
             longest = max(len(s) for s in decode_slots)
             padded = torch.empty(len(decode_slots), longest, dtype=torch.long)
-            mask = torch.zeros(len(decode_slots), longest, dtype=torch.bool)
             for i, s in enumerate(decode_slots):
                 padded[i, : len(s)] = s
                 padded[i, len(s) :] = s[0]  # a written slot: masked out, but never garbage (NaN x 0 = NaN)
-                mask[i, : len(s)] = True
             meta.decode_rows = torch.tensor(decode_rows)
-            meta.decode_slots, meta.decode_mask = padded, mask
+            meta.decode_slots = padded
             meta.decode_lengths = torch.tensor([len(s) for s in decode_slots])
         return torch.tensor(ids), torch.cat(positions), meta
 

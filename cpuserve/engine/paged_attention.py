@@ -54,7 +54,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [Nd] rows of single-token sequences
     decode_slots: torch.Tensor | None  # [Nd, Lmax] context slots, padded
-    decode_mask: torch.Tensor | None  # [Nd, Lmax] True where a real context token is
     decode_lengths: torch.Tensor | None  # [Nd] context lengths (the new token included)
     prefills: list[PrefillChunk]
 
@@ -87,7 +86,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = ops.decode_attention_paged(
-                q[meta.decode_rows], kc, vc, meta.decode_slots, meta.decode_mask, meta.decode_lengths
+                q[meta.decode_rows], kc, vc, meta.decode_slots, meta.decode_lengths
             )
         for chunk in meta.prefills:
             query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]

@@ -30,17 +30,22 @@ def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, di
     qc = QuantConfig.from_hf(spec.quantization_config, source) if spec.quantization_config else None
     elem = torch.empty((), dtype=compute).element_size()
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        params, weight_bytes = 0, 0
+        params, weight_bytes, native_bytes = 0, 0, 0
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
             stored = ckpt.stored_dtype(n)
             if stored in FLOAT_DTYPES:
                 weight_bytes += count * (4 if n.endswith("weight_scale") else elem)
+                native_bytes += count * (4 if n.endswith("weight_scale") else elem)
                 params += 0 if n.endswith("weight_scale") else count
             elif not n.endswith("weight_shape"):  # int8 values, or int32 words of packed values
                 weight_bytes += count * INT_BYTES.get(stored, 1)
-                quant = qc.scheme_for(n.rsplit(".", 1)[0]) if qc and stored == "I32" else None
-                params += count * (32 // quant.bits if quant else 1)
+                quant = qc.scheme_for(n.rsplit(".", 1)[0]) if qc else None
+                params += count * (32 // quant.bits if quant and stored == "I32" else 1)
+                # The native kernels hold int4 as nibbles whichever way the checkpoint stored it.
+                native_bytes += (
+                    count * INT_BYTES.get(stored, 1) // (2 if quant and quant.bits == 4 and stored != "I32" else 1)
+                )
         dtypes = sorted({str(ckpt.stored_dtype(n)) for n in ckpt.names()})
         files = sorted({ckpt.file_of(n).name for n in ckpt.names()})
     facts = {
@@ -52,6 +57,7 @@ def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, di
         "hidden_size": spec.hidden_size,
         "parameters": params,
         "weights_bytes": weight_bytes,
+        "weights_bytes_native": native_bytes,  # as the native kernels hold them (int4 as nibbles)
         "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem,
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {

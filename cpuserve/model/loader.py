@@ -67,23 +67,28 @@ def quantize_modules(model: CausalLM, spec: ModelSpec, source: str) -> dict[str,
 LM_HEAD_KINDS = ("int8", "int4")
 
 
+def lm_head_quant(kind: str, hidden_size: int) -> WeightQuant:
+    """The scheme --quantize-lm-head KIND gives a head of this width: int8 per channel, or int4 in
+    groups of 128 (else 64, else 32)."""
+    if kind not in LM_HEAD_KINDS:
+        raise ConfigError(f"--quantize-lm-head {kind!r}: expected one of {', '.join(LM_HEAD_KINDS)}")
+    if kind == "int8":
+        return WeightQuant(bits=8, group_size=None, packed=False)
+    group = next((g for g in (128, 64, 32) if hidden_size % g == 0), None)
+    if group is None:
+        raise ConfigError(f"--quantize-lm-head int4: hidden size {hidden_size} is not a multiple of 32")
+    return WeightQuant(bits=4, group_size=group, packed=False)
+
+
 def _quantize_lm_head(model: CausalLM, kind: str) -> None:
     """Opt-in: the output head quantized like the body's linears, per-token int8 activations. A
     decode step reads the whole head (49152 x 576 for SmolLM2, 130560 x 2048 for MiniCPM5-2B): int8
-    halves a bf16 head's bytes, int4 (groups of 128, else 64 or 32) quarters them; logits move by the
-    quantization error (tests/test_lm_head.py bounds it)."""
-    if kind not in LM_HEAD_KINDS:
-        raise ConfigError(f"--quantize-lm-head {kind!r}: expected one of {', '.join(LM_HEAD_KINDS)}")
+    halves a bf16 head's bytes, int4 quarters them; logits move by the quantization error
+    (tests/test_lm_head.py bounds it)."""
     from cpuserve.quant.quantize import quantize_weight_in_chunks
 
     head = model.lm_head
-    if kind == "int8":
-        quant = WeightQuant(bits=8, group_size=None, packed=False)
-    else:
-        group = next((g for g in (128, 64, 32) if head.in_features % g == 0), None)
-        if group is None:
-            raise ConfigError(f"--quantize-lm-head int4: hidden size {head.in_features} is not a multiple of 32")
-        quant = WeightQuant(bits=4, group_size=group, packed=False)
+    quant = lm_head_quant(kind, head.in_features)
     q, scale = quantize_weight_in_chunks(head.weight, quant)
     new = QuantLinear(head.in_features, head.out_features, quant, bias=False)
     new.qweight, new.scales = q, scale.float()

@@ -169,14 +169,14 @@ def decode_attention_paged(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
-    valid: torch.Tensor,
     lengths: torch.Tensor,
 ) -> torch.Tensor:
-    """q [N, Hq, D]; caches [S, Hkv, D]; slots [N, L] each sequence's context slots, padded; valid
-    [N, L] False at padding; lengths [N] its real context lengths (the native twin reads only those)."""
+    """q [N, Hq, D]; caches [S, Hkv, D]; slots [N, L] each sequence's context slots, padded;
+    lengths [N] its real context lengths (the native twin reads only those, the reference masks)."""
     module = _use_native(q, key_cache)
     if module is None:
         n, length = slots.shape
+        valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
         keys = key_cache[slots.view(-1)].view(n, length, *key_cache.shape[1:]).transpose(1, 2)
         values = value_cache[slots.view(-1)].view(n, length, *value_cache.shape[1:]).transpose(1, 2)
         return decode_attention_reference(q, keys, values, valid)

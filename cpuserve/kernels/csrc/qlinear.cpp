@@ -148,7 +148,7 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int32_t* gs = act.sums.data();
   float* o = out.data_ptr<float>();
   const int8_t* qb = nullptr;  // the activations in the block kernel's order, where it applies
-  if (std::strcmp(v.name, "avx512_vnni") == 0 && cpk::u4_blocks_fit(k, group)) {
+  if (cpk::u4_blocks_apply(v, k, group)) {
     act.blocks.resize(m * k);
     int8_t* b = act.blocks.data();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
