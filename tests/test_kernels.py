@@ -10,10 +10,10 @@ import torch
 from cpuserve.kernels import native, runnable_variants
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.quantize import quantize_weight
-from cpuserve.quant.schemes import QuantLinear, reference_forward, unpack_nibbles
+from cpuserve.quant.schemes import QuantLinear, reference_forward, unpack_int8, unpack_nibbles
 
 REL_BUDGET = 2e-6  # vs the reference: float epilogue order only (the integer sums are exact)
-MS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 64, 65, 100, 130]
+MS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 64, 65, 100, 130, 200]  # 200: past a pass of 192 rows (panels)
 SHAPES = [(1, 128), (7, 576), (96, 1536), (130, 4096)]  # (N, K)
 
 
@@ -59,16 +59,15 @@ def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
             assert (got - twin).abs().max().item() <= REL_BUDGET * twin.abs().max().item() + 1e-6, (variant, m, n)
 
 
-@pytest.mark.parametrize("n,k", [*SHAPES, (9, 96), (33, 2080)])  # K not a multiple of 64: masked tails
+# K not a multiple of 64 (masked tails) or of 4 (the panel layout pads whole quads)
+@pytest.mark.parametrize("n,k", [*SHAPES, (9, 96), (33, 2080), (17, 70)])
 def test_w8a8_variants_equal_the_twin_and_the_reference(kernels, n, k):
     q, s = _weights(8, None, n, k, n * k)
     q[0, :4] = torch.tensor([-128, 127, -127, 0], dtype=torch.int8)  # the extremes of both layouts
-    weights = {}  # each variant's own layout (AVX-512 VNNI: uint8 w + 128; the rest int8)
+    weights = {}  # each variant's own layout (AVX-512 VNNI: uint8 w + 128 panels; the rest int8)
     for variant in runnable_variants():
         weights[variant] = kernels.pack_int8(q, variant)
-        layout = kernels.int8_layout(variant)
-        unpacked = (weights[variant] ^ 0x80).view(torch.int8) if layout == "offset" else weights[variant]
-        assert torch.equal(unpacked, q), variant
+        assert torch.equal(unpack_int8(weights[variant], k, kernels.int8_layout(variant)), q), variant
     gen = torch.Generator().manual_seed(2)
     for m in MS:
         x = torch.randn(m, k, generator=gen) * 2
@@ -143,6 +142,31 @@ def test_unpack_reads_both_int4_layouts():
     twos = ((blocks[..., :16] & 0xF) | ((blocks[..., 16:] & 0xF) << 4)).to(torch.uint8).view(5, 32)
     assert torch.equal(unpack_nibbles(offset, 64, "offset"), q)
     assert torch.equal(unpack_nibbles(twos, 64, "twos_complement"), q)
+
+
+def test_unpack_reads_the_panel_layouts():
+    """Panel bytes built by hand, value by value, from the layout's definition (qlinear_panels.h)."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 21, 64  # a full panel of 16 columns and a last one of 5
+    q4 = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+    q8 = torch.randint(-128, 128, (n, k - 2), dtype=torch.int8, generator=gen)  # K 62: padded to 64
+    b4, b8 = torch.zeros(n * k // 2, dtype=torch.uint8), torch.zeros(n * k, dtype=torch.uint8)
+    for c in range(n):
+        c0, w = c // 16 * 16, min(16, n - c // 16 * 16)
+        for j in range(k // 8):
+            for i in range(4):
+                lo, hi = int(q4[c, 8 * j + i]) + 8, int(q4[c, 8 * j + 4 + i]) + 8
+                b4[c0 * k // 2 + j * 4 * w + (c - c0) * 4 + i] = lo | (hi << 4)
+        for j in range(k // 4):
+            for i in range(4):
+                value = int(q8[c, 4 * j + i]) + 128 if 4 * j + i < k - 2 else 0
+                b8[c0 * k + j * 4 * w + (c - c0) * 4 + i] = value
+    assert torch.equal(unpack_nibbles(b4.view(n, k // 2), k, "offset_panel"), q4)
+    assert torch.equal(unpack_int8(b8.view(n, k), k - 2, "offset_panel"), q8)
+    if "avx512_vnni" in runnable_variants():
+        kernels = native()
+        assert torch.equal(kernels.pack_int4(q4, "avx512_vnni").view(-1), b4)
+        assert torch.equal(kernels.pack_int8(q8, "avx512_vnni").view(-1), b8)
 
 
 def test_one_openmp_runtime_in_the_process(kernels):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = [
-    HERE / "csrc" / name for name in ("qlinear.cpp", "qlinear_core.h", "layer_ops.cpp", "decoder_layers.cpp", "ops.h")
+    HERE / "csrc" / name
+    for name in ("qlinear.cpp", "qlinear_core.h", "qlinear_panels.h", "layer_ops.cpp", "decoder_layers.cpp", "ops.h")
 ]
 # No fused multiply-add contraction of scalar code: the twins' float order is part of the contract.
 CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cpuserve.quant.schemes import QuantLinear
+from cpuserve.quant.schemes import PANEL, QuantLinear
 
 
 def _fusable(parts: list[nn.Module]) -> bool:
@@ -49,6 +49,10 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
         fused = QuantLinear(first.in_features, out_features, first.quant, bias is not None)
         fused.qweight = _cat([p.qweight for p in parts])
         fused.packed = _cat([p.packed for p in parts])
+        if first.packed_layout.endswith("_panel") and any(p.out_features % PANEL for p in parts[:-1]):
+            # a part that ends inside a panel: the parts' panels do not line up, so pack anew
+            pack = first.native.pack_int4 if first.quant.bits == 4 else first.native.pack_int8
+            fused.packed = pack(torch.cat([p.int_weight() for p in parts]), first.variant)
         fused.packed_layout = first.packed_layout
         fused.scales = torch.cat([p.scales for p in parts], dim=0)
         fused.native, fused.variant = first.native, first.variant

@@ -49,9 +49,31 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp(-127, 127), scale
 
 
+PANEL = 16  # output columns per panel in the panel layouts (kernels/csrc/qlinear_panels.h)
+
+
+def _unpanel(packed: torch.Tensor, n: int, per_column: int, unpack) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Rows [N, per_column bytes] of a panel layout: per panel of width w, steps of [w, 4] bytes;
+    `unpack(steps [w, steps, 4])` turns one panel's bytes into its [w, K] values."""
+    flat, rows = packed.reshape(-1), []
+    for c0 in range(0, n, PANEL):
+        w = min(PANEL, n - c0)
+        steps = flat[c0 * per_column : (c0 + w) * per_column].view(-1, w, 4).transpose(0, 1)
+        rows.append(unpack(steps))
+    return torch.cat(rows)
+
+
 def unpack_nibbles(packed: torch.Tensor, k: int, layout: str = "offset") -> torch.Tensor:
-    """A native int4 layout (uint8 [N, K/2], 16 bytes per 32 values; nibbles value + 8 for `offset`,
-    the value's two's complement for `twos_complement`) back to int8 [N, K]."""
+    """A native int4 layout (uint8 [N, K/2]) back to int8 [N, K]. Rows (`offset`: nibbles value + 8;
+    `twos_complement`: the value's two's complement): 16 bytes per 32 values, low nibbles the first 16.
+    `offset_panel`: 16 columns interleaved, per 8 values 4 bytes a column, low nibbles the first 4."""
+    if layout == "offset_panel":
+
+        def panel(steps: torch.Tensor) -> torch.Tensor:  # [w, K/8, 4] -> [w, K]
+            lo, hi = (steps & 0x0F).to(torch.int8) - 8, (steps >> 4).to(torch.int8) - 8
+            return torch.cat((lo, hi), dim=-1).reshape(steps.shape[0], k)
+
+        return _unpanel(packed, packed.shape[0], k // 2, panel)
     b = packed.view(packed.shape[0], k // 32, 16)
     lo, hi = (b & 0x0F).to(torch.int8), (b >> 4).to(torch.int8)
     if layout == "offset":
@@ -59,6 +81,18 @@ def unpack_nibbles(packed: torch.Tensor, k: int, layout: str = "offset") -> torc
     else:
         lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
     return torch.cat((lo, hi), dim=-1).view(packed.shape[0], k)
+
+
+def unpack_int8(packed: torch.Tensor, k: int, layout: str) -> torch.Tensor:
+    """A native W8A8 layout back to int8 [N, K]: `signed` is the weight itself; `offset_panel` is
+    uint8 w + 128 [N, K rounded up to 4], 16 columns interleaved by 4 values."""
+    if layout == "signed":
+        return packed
+
+    def panel(steps: torch.Tensor) -> torch.Tensor:  # [w, K4/4, 4] -> [w, K]
+        return (steps ^ 0x80).view(torch.int8).reshape(steps.shape[0], -1)[:, :k]
+
+    return _unpanel(packed, packed.shape[0], packed.shape[1], panel)
 
 
 class QuantLinear(nn.Module):
@@ -74,8 +108,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.native = None  # the kernel module, once use_native() succeeded
         self.variant = "reference"
-        self.packed: torch.Tensor | None = None  # int4 in the kernel's nibble layout
-        self.packed_layout = "offset"  # which one (kernels.int4_layout of the variant that packed it)
+        self.packed: torch.Tensor | None = None  # the weight in a kernel variant's layout
+        self.packed_layout = "offset"  # which one (kernels.int4_layout / int8_layout of that variant)
 
     def use_native(self, kernels, variant: str) -> bool:  # type: ignore[no-untyped-def]
         """Switch to a native variant when the shapes fit it; the int4 weight is repacked (and the
@@ -83,21 +117,19 @@ class QuantLinear(nn.Module):
         group = self.quant.group_size or self.in_features
         if self.in_features % 32 or group % 32:
             return False
-        if self.quant.bits == 4:
-            layout = kernels.int4_layout(variant)
+        bits4 = self.quant.bits == 4
+        layout = kernels.int4_layout(variant) if bits4 else kernels.int8_layout(variant)
+        pack = kernels.pack_int4 if bits4 else kernels.pack_int8
+        if layout == "signed":  # int8 as it is
+            if self.qweight is None:  # was packed for another variant
+                self.qweight, self.packed = self.int_weight(), None
+        else:
             if self.packed is None:
-                self.packed = kernels.pack_int4(self.qweight, variant)
+                self.packed = pack(self.qweight, variant)
             elif self.packed_layout != layout:  # packed for another variant's layout
-                self.packed = kernels.pack_int4(self.int_weight(), variant)
-            self.packed_layout = layout
+                self.packed = pack(self.int_weight(), variant)
             self.qweight = None
-        elif kernels.int8_layout(variant) == "offset":  # uint8 w + 128, for vpdpbusd's unsigned operand
-            if self.packed is None:
-                self.packed = kernels.pack_int8(self.qweight, variant)
-            self.packed_layout = "offset"
-            self.qweight = None
-        elif self.qweight is None:  # was offset for another variant
-            self.qweight, self.packed = self.int_weight(), None
+        self.packed_layout = layout
         self.native, self.variant = kernels, variant
         return True
 
@@ -105,7 +137,7 @@ class QuantLinear(nn.Module):
         if self.qweight is not None:
             return self.qweight
         if self.quant.bits == 8:
-            return (self.packed ^ 0x80).view(torch.int8)
+            return unpack_int8(self.packed, self.in_features, self.packed_layout)
         return unpack_nibbles(self.packed, self.in_features, self.packed_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

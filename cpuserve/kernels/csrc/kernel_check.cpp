@@ -65,6 +65,57 @@ void fail(const char* what, const char* variant, int64_t m, int64_t n, int64_t k
                 (long long)n, (long long)k, (long long)group, got, want);
 }
 
+// The variant's W8A8 linear over [0, N), its outputs (or panels) split in two uneven parts as two
+// threads would split them.
+void w8a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std::vector<float>& sa, int64_t m,
+                int64_t k, const std::vector<int8_t>& w8, const std::vector<float>& s8, int64_t n,
+                std::vector<float>& out) {
+#if defined(__x86_64__)
+  if (v.panels) {
+    std::vector<uint8_t> pw(n * cpk::quad_k(k));
+    for (int64_t p = 0; p < cpk::panel_count(n); ++p) cpk::pack_int8_panel(w8.data(), n, k, p, pw.data());
+    std::vector<int8_t> padded(qa);
+    padded.resize(qa.size() + 4);  // rows readable 4 bytes past the last, as the binding keeps them
+    std::vector<int32_t> asum(m, 0);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) asum[r] += qa[r * k + i];
+    const int64_t panels = cpk::panel_count(n), split = panels / 3;
+    cpk::w8a8_panels(padded.data(), sa.data(), asum.data(), m, k, pw.data(), s8.data(), n, 0, split, out.data());
+    cpk::w8a8_panels(padded.data(), sa.data(), asum.data(), m, k, pw.data(), s8.data(), n, split, panels,
+                     out.data());
+    return;
+  }
+#endif
+  const int64_t split = n / 3;
+  cpk::w8a8_columns(v, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, 0, split, out.data());
+  cpk::w8a8_columns(v, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, split, n, out.data());
+}
+
+// The same for W4A8 (rows: the weight packed in the variant's row layout, given).
+void w4a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std::vector<float>& sa,
+                const std::vector<int32_t>& gs, int64_t m, int64_t k, const std::vector<int8_t>& w4,
+                const std::vector<uint8_t>& rows, const std::vector<float>& s4, int64_t groups, int64_t n,
+                std::vector<float>& out) {
+#if defined(__x86_64__)
+  if (v.panels) {
+    std::vector<uint8_t> pw(n * k / 2);
+    for (int64_t p = 0; p < cpk::panel_count(n); ++p)
+      cpk::pack_int4_panel(n, k, p, pw.data(), [&](int64_t c, int64_t i) { return uint8_t(w4[c * k + i] + 8); });
+    const int64_t panels = cpk::panel_count(n), split = panels / 3;
+    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), s4.data(), groups, n, 0, split, out.data());
+    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), s4.data(), groups, n, split, panels,
+                     out.data());
+    return;
+  }
+#endif
+  (void)w4;
+  const int64_t split = n / 3;
+  cpk::w4a8_columns(v, qa.data(), sa.data(), gs.data(), m, k, rows.data(), s4.data(), groups, n, 0, split,
+                    out.data());
+  cpk::w4a8_columns(v, qa.data(), sa.data(), gs.data(), m, k, rows.data(), s4.data(), groups, n, split, n,
+                    out.data());
+}
+
 void check_shape(const cpk::Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t group) {
   const cpk::Variant& twin = cpk::twin_for(v.layout);  // the scalar twin of the variant's int4 layout
   // Activations with a few outliers, quantized per token as the kernels do.
@@ -82,18 +133,16 @@ void check_shape(const cpk::Variant& v, Rng& rng, int64_t m, int64_t n, int64_t 
   for (auto& e : w8) e = int8_t(rng.range(-128, 127));
   std::vector<float> s8(n);
   for (auto& e : s8) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
-  for (int64_t c = 0; c < n; ++c)
-    for (int64_t r = 0; r < m; ++r) {
-      ++checks;
-      const int32_t got = v.dot_i8(qa.data() + r * k, w8.data() + c * k, k);
-      const int32_t want = cpk::dot_i8_generic(qa.data() + r * k, w8.data() + c * k, k);
-      if (got != want) fail("dot_i8", v.name, m, n, k, 0, got, want);
-    }
+  if (!v.panels)
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t r = 0; r < m; ++r) {
+        ++checks;
+        const int32_t got = v.dot_i8(qa.data() + r * k, w8.data() + c * k, k);
+        const int32_t want = cpk::dot_i8_generic(qa.data() + r * k, w8.data() + c * k, k);
+        if (got != want) fail("dot_i8", v.name, m, n, k, 0, got, want);
+      }
   std::vector<float> out(m * n), ref(m * n);
-  // Split the columns in two uneven parts as two threads would.
-  const int64_t split = n / 3;
-  cpk::w8a8_columns(v, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, 0, split, out.data());
-  cpk::w8a8_columns(v, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, split, n, out.data());
+  w8a8_split(v, qa, sa, m, k, w8, s8, n, out);
   cpk::w8a8_columns(twin, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, 0, n, ref.data());
   for (int64_t i = 0; i < m * n; ++i) {
     ++checks;
@@ -108,10 +157,7 @@ void check_shape(const cpk::Variant& v, Rng& rng, int64_t m, int64_t n, int64_t 
   for (int64_t c = 0; c < n; ++c) cpk::pack_int4_row(w4.data() + c * k, k, packed.data() + c * (k / 2), v.layout);
   std::vector<float> s4(n * groups);
   for (auto& e : s4) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
-  cpk::w4a8_columns(v, qa.data(), sa.data(), gs.data(), m, k, packed.data(), s4.data(), groups, n, 0, split,
-                    out.data());
-  cpk::w4a8_columns(v, qa.data(), sa.data(), gs.data(), m, k, packed.data(), s4.data(), groups, n, split, n,
-                    out.data());
+  w4a8_split(v, qa, sa, gs, m, k, w4, packed, s4, groups, n, out);
   cpk::w4a8_columns(twin, qa.data(), sa.data(), gs.data(), m, k, packed.data(), s4.data(), groups, n, 0, n,
                     ref.data());
   for (int64_t r = 0; r < m; ++r)
@@ -153,7 +199,7 @@ int main(int argc, char** argv) {
     std::printf("FAILED: the offset and two's-complement twins disagree\n");
     return 1;
   }
-  const int64_t ns[] = {1, 2, 3, 7, 16, 33};
+  const int64_t ns[] = {1, 2, 3, 7, 16, 33, 70};
   const int64_t ks[] = {128, 384, 1024, 4096};
   const int64_t group_sizes[] = {32, 64, 128, 0};
   for (const cpk::Variant* v : todo) {
@@ -166,9 +212,10 @@ int main(int argc, char** argv) {
             if (k == 4096 && (m % 4 != 1 || n > 7)) continue;  // the big K on a sample of shapes
             check_shape(*v, rng, m, n, k, group);
           }
-    std::printf("%s %s (%s int4): %ld checks (M 1..17, N %s, K 128..4096, groups 32/64/128/channel)%s\n",
+    std::printf("%s %s (%s int4%s): %ld checks (M 1..17, N %s, K 128..4096, groups 32/64/128/channel)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name,
-                v->layout == cpk::Int4Layout::Offset ? "offset" : "two's-complement", checks - before, "1..33",
+                v->layout == cpk::Int4Layout::Offset ? "offset" : "two's-complement", v->panels ? ", panels" : "",
+                checks - before, "1..70",
                 std::string(v->name) == best ? " [selected]" : "");
   }
   return failures == 0 ? 0 : 1;

@@ -1,5 +1,5 @@
-// torch bindings of the kernel core (qlinear_core.h): tensors in and out, work split over output
-// columns with at::parallel_for, which is torch's own pinned OpenMP pool (no second runtime).
+// torch bindings of the kernel core (qlinear_core.h, qlinear_panels.h): tensors in and out, work split
+// over output columns (or panels of 16) with at::parallel_for, which is torch's own pinned OpenMP pool (no second runtime).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,19 +41,29 @@ void quantize_rows(const torch::Tensor& x, int64_t group, int8_t* q, float* scal
 }
 
 // One matmul's quantized activations, in buffers kept per calling thread and reused: a decode step
-// makes ~120 matmuls, and four tensor allocations each showed in its profile.
+// makes ~120 matmuls, and four tensor allocations each showed in its profile. Rows are readable 4
+// bytes past the last (the int8 panel kernel reads whole quads; the padded weights are zero there).
 struct Activations {
-  std::vector<int8_t> q, blocks;
+  std::vector<int8_t> q;
   std::vector<float> scales;
   std::vector<int32_t> sums;
 };
 
 Activations& scratch(int64_t m, int64_t k, int64_t groups) {
   thread_local Activations act;
-  act.q.resize(m * k);
+  act.q.resize(m * k + 4);
   act.scales.resize(m);
   act.sums.resize(m * groups);
   return act;
+}
+
+// Output work shared out over the pool: panels for a panel variant, else columns.
+template <typename Work>
+void over_outputs(const cpk::Variant& v, int64_t n, const Work& work) {
+  if (v.panels)
+    at::parallel_for(0, cpk::panel_count(n), 1, work);
+  else
+    at::parallel_for(0, n, 16, work);
 }
 
 // fp32 results [M, N] (+ bias) in the input's dtype: rounded once, as out.to(dtype) would.
@@ -80,57 +90,52 @@ torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias
 
 }  // namespace
 
-// x [M, K] (fp32 or bf16), weight [N, K] as pack_int8 left it for the variant (int8, or uint8 offset),
-// scales fp32 [N]: out [M, N] in x's dtype.
+// x [M, K] (fp32 or bf16), weight as pack_int8 left it for the variant (int8 [N, K], or uint8
+// panels [N, quad_k(K)]), scales fp32 [N]: out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, std::string variant) {
   const cpk::Variant& v = variant_or_fail(variant);
-  const bool offset = cpk::int8_offset(v);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) == k && qweight.scalar_type() == (offset ? torch::kUInt8 : torch::kInt8),
-              "w8a8_linear: the weight must be [N, K] as pack_int8 gives it for ", variant);
-  Activations& act = scratch(m, k, 1);  // offset weights: one activation sum per row
-  quantize_rows(xc, offset ? k : 0, act.q.data(), act.scales.data(), offset ? act.sums.data() : nullptr);
+  TORCH_CHECK(v.panels ? qweight.size(1) == cpk::quad_k(k) && qweight.scalar_type() == torch::kUInt8
+                       : qweight.size(1) == k && qweight.scalar_type() == torch::kInt8,
+              "w8a8_linear: the weight must be as pack_int8 gives it for ", variant);
+  Activations& act = scratch(m, k, 1);  // panels: one activation sum per row (the +128 offset)
+  quantize_rows(xc, v.panels ? k : 0, act.q.data(), act.scales.data(), v.panels ? act.sums.data() : nullptr);
   auto out = torch::empty({m, n}, torch::kFloat32);
   const int8_t* qa = act.q.data();
   const float* sw = scales.data_ptr<float>();
   const float* sap = act.scales.data();
+  const int32_t* asum = act.sums.data();
   float* o = out.data_ptr<float>();
-  if (offset) {
-    const uint8_t* pw = qweight.data_ptr<uint8_t>();
-    const int32_t* asum = act.sums.data();
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      cpk::w8a8_offset_columns(v, qa, sap, asum, m, k, pw, sw, n, begin, end, o);
-    });
-  } else {
-    const int8_t* qw = qweight.data_ptr<int8_t>();
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      cpk::w8a8_columns(v, qa, sap, m, k, qw, sw, n, begin, end, o);
-    });
-  }
+  over_outputs(v, n, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    if (v.panels) return cpk::w8a8_panels(qa, sap, asum, m, k, qweight.data_ptr<uint8_t>(), sw, n, begin, end, o);
+#endif
+    cpk::w8a8_columns(v, qa, sap, m, k, qweight.data_ptr<int8_t>(), sw, n, begin, end, o);
+  });
   return finish(out, bias, x.scalar_type());
 }
 
-// int8 [N, K] -> the variant's W8A8 weight: the same int8, or uint8 w + 128 (int8_layout "offset").
+// int8 [N, K] -> the variant's W8A8 weight: the same int8, or uint8 panels [N, quad_k(K)].
 torch::Tensor pack_int8(torch::Tensor q, std::string variant) {
-  if (!cpk::int8_offset(variant_or_fail(variant))) return q.contiguous();
+  if (!variant_or_fail(variant).panels) return q.contiguous();
   auto src_t = q.contiguous();
   const int64_t n = q.size(0), k = q.size(1);
-  auto out = torch::empty({n, k}, torch::kUInt8);
+  auto out = torch::empty({n, cpk::quad_k(k)}, torch::kUInt8);
   const int8_t* src = src_t.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) cpk::offset_int8_row(src + r * k, k, dst + r * k);
+  at::parallel_for(0, cpk::panel_count(n), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) cpk::pack_int8_panel(src, n, k, p, dst);
   });
   return out;
 }
 
 std::string int8_layout(std::string variant) {
-  return cpk::int8_offset(variant_or_fail(variant)) ? "offset" : "signed";
+  return variant_or_fail(variant).panels ? "offset_panel" : "signed";
 }
 
-// x [M, K], packed uint8 [N, K / 2] (the core's nibble layout), scales fp32 [N, G]: out [M, N].
+// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G]: out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, std::string variant) {
   const cpk::Variant& v = variant_or_fail(variant);
@@ -147,53 +152,62 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const float* sap = act.scales.data();
   const int32_t* gs = act.sums.data();
   float* o = out.data_ptr<float>();
-  const int8_t* qb = nullptr;  // the activations in the block kernel's order, where it applies
-  if (cpk::u4_blocks_apply(v, k, group)) {
-    act.blocks.resize(m * k);
-    int8_t* b = act.blocks.data();
-    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) cpk::permute_for_u4_blocks(qa + r * k, k, b + r * k);
-    });
-    qb = b;
-  }
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o, qb);
+  over_outputs(v, n, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    if (v.panels) return cpk::w4a8_panels(qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
+#endif
+    cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
   });
   return finish(out, bias, x.scalar_type());
 }
 
-// int8 values in [-8, 7], [N, K] -> the variant's nibble layout, uint8 [N, K / 2].
-torch::Tensor pack_int4(torch::Tensor q, std::string variant) {
-  const cpk::Int4Layout layout = variant_or_fail(variant).layout;
-  const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(k % 32 == 0, "pack_int4: K must be a multiple of 32");
-  auto src_t = q.contiguous();
+// [N, K / 2] uint8 in the variant's int4 layout; nibble(c, i) reads column c's input i as an offset
+// nibble (w + 8), row(c, dst) packs one row in a row layout.
+template <typename Nibble, typename Row>
+torch::Tensor pack_int4_with(const cpk::Variant& v, int64_t n, int64_t k, const Nibble& nibble, const Row& row) {
   auto out = torch::empty({n, k / 2}, torch::kUInt8);
-  const int8_t* src = src_t.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) cpk::pack_int4_row(src + r * k, k, dst + r * (k / 2), layout);
-  });
+  if (v.panels) {
+    at::parallel_for(0, cpk::panel_count(n), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) cpk::pack_int4_panel(n, k, p, dst, nibble);
+    });
+  } else {
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) row(c, dst + c * (k / 2));
+    });
+  }
   return out;
 }
 
-// compressed-tensors pack-quantized int32 words [N, W] -> the variant's nibble layout, uint8 [N, K / 2].
+// int8 values in [-8, 7], [N, K] -> the variant's int4 layout, uint8 [N, K / 2].
+torch::Tensor pack_int4(torch::Tensor q, std::string variant) {
+  const cpk::Variant& v = variant_or_fail(variant);
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(k % 32 == 0, "pack_int4: K must be a multiple of 32");
+  auto src_t = q.contiguous();
+  const int8_t* src = src_t.data_ptr<int8_t>();
+  return pack_int4_with(
+      v, n, k, [&](int64_t c, int64_t i) { return uint8_t(src[c * k + i] + 8); },
+      [&](int64_t c, uint8_t* dst) { cpk::pack_int4_row(src + c * k, k, dst, v.layout); });
+}
+
+// compressed-tensors pack-quantized int32 words [N, W] (word j holds k = 8j..8j+7 as value + 8 at
+// bits 4i) -> the variant's int4 layout, uint8 [N, K / 2], without an int8 copy.
 torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k, std::string variant) {
-  const cpk::Int4Layout layout = variant_or_fail(variant).layout;
+  const cpk::Variant& v = variant_or_fail(variant);
   const int64_t n = words.size(0), w = words.size(1);
   TORCH_CHECK(k % 32 == 0 && w * 8 >= k, "words_to_nibbles: K must be a multiple of 32 and fit the words");
   auto src_t = words.contiguous();
   const uint32_t* src = reinterpret_cast<const uint32_t*>(src_t.data_ptr<int32_t>());
-  auto out = torch::empty({n, k / 2}, torch::kUInt8);
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) cpk::words_to_nibbles_row(src + r * w, k, dst + r * (k / 2), layout);
-  });
-  return out;
+  return pack_int4_with(
+      v, n, k, [&](int64_t c, int64_t i) { return uint8_t((src[c * w + i / 8] >> (4 * (i % 8))) & 0x0F); },
+      [&](int64_t c, uint8_t* dst) { cpk::words_to_nibbles_row(src + c * w, k, dst, v.layout); });
 }
 
 std::string int4_layout(std::string variant) {
-  return variant_or_fail(variant).layout == cpk::Int4Layout::Offset ? "offset" : "twos_complement";
+  const cpk::Variant& v = variant_or_fail(variant);
+  if (v.panels) return "offset_panel";
+  return v.layout == cpk::Int4Layout::Offset ? "offset" : "twos_complement";
 }
 
 std::vector<std::string> variants() {
@@ -210,11 +224,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_decoder_layers(mod);
   mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
-  mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8, or uint8 offset by 128)");
-  mod.def("int8_layout", &int8_layout, "signed or offset: how the variant stores W8A8 weights");
+  mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8, or uint8 + 128 panels)");
+  mod.def("int8_layout", &int8_layout, "signed or offset_panel: how the variant stores W8A8 weights");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
   mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");
-  mod.def("int4_layout", &int4_layout, "offset or twos_complement: how the variant stores int4 nibbles");
+  mod.def("int4_layout", &int4_layout, "offset, twos_complement or offset_panel: how the variant stores int4 nibbles");
   mod.def("variants", &variants, "variants compiled in (the CPU decides which can run)");
   mod.def("best_variant", &cpk::best_variant, "the best variant for this CPU, as the kernel sees it");
 }

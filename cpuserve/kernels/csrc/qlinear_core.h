@@ -4,14 +4,15 @@
 //
 // Every variant has the scalar "generic" twin. SIMD variants are compiled with function-level
 // target attributes and chosen at run time by name (best_variant() reads the CPU's features):
-//   x86-64:  avx2, avx512_vnni
+//   x86-64:  avx2, avx512_vnni (the latter in the panel layout of qlinear_panels.h, not the rows below)
 //   aarch64: neon (Armv8.0), neon_dotprod (sdot), neon_i8mm (sdot for GEMV, smmla 2x2 tiles for GEMM)
 // Integer accumulation is exact everywhere. W8A8's float epilogue is shared, so every variant is
 // bit-identical to the twin. For W4A8 the Arm variants reduce each group to one int32 before the same
 // scalar float update as the twin (bit-identical); the x86 variants keep per-group products in
 // vector lanes (equal within float rounding).
 //
-// Int4 layouts (repacked at load, chosen by the variant): per row, per 32-element block, 16 bytes;
+// Row layouts (repacked at load, chosen by the variant; W8A8 rows are the int8 weights as they are).
+// Int4: per row, per 32-element block, 16 bytes;
 // byte j holds w[k0 + j] in its low nibble and w[k0 + 16 + j] in its high nibble, as
 //   Offset (x86, generic): w + 8, unsigned 0..15. Dot products use the unsigned nibble (the u8 operand
 //     of maddubs / dpbusd) and subtract 8 * sum(activations of the group), which the activation
@@ -26,6 +27,8 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "qlinear_panels.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -62,6 +65,7 @@ struct Variant {
   TileU4 tile_u4;
   bool w4_exact;  // W4A8 bit-identical to the generic twin of its layout
   Int4Layout layout;
+  bool panels = false;  // weights in the panel layout and kernels of qlinear_panels.h instead of the above
 };
 
 // ---------------------------------------------------------------- generic (scalar) twins
@@ -159,218 +163,6 @@ __attribute__((target("avx2,fma"))) inline float row_u4_avx2(const int8_t* a, co
   return _mm_cvtss_f32(r);
 }
 
-// ---------------------------------------------------------------- x86: AVX-512 VNNI
-#define CPK_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
-__attribute__((target(CPK_VNNI_TARGET))) inline int32_t dot_i8_vnni(const int8_t* a, const int8_t* w, int64_t k) {
-  __m512i acc = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 64 <= k; i += 64) {
-    __m512i va = _mm512_loadu_si512(a + i);
-    __m512i vw = _mm512_loadu_si512(w + i);
-    __mmask64 neg = _mm512_movepi8_mask(vw);
-    __m512i aw = _mm512_abs_epi8(vw);
-    __m512i sa = _mm512_mask_sub_epi8(va, neg, _mm512_setzero_si512(), va);
-    acc = _mm512_dpbusd_epi32(acc, aw, sa);
-  }
-  int32_t total = _mm512_reduce_add_epi32(acc);
-  for (; i < k; ++i) total += int32_t(a[i]) * int32_t(w[i]);
-  return total;
-}
-
-__attribute__((target(CPK_VNNI_TARGET))) inline float row_u4_vnni(const int8_t* a, const uint8_t* w, const float* s,
-                                                                  int64_t groups, int64_t group) {
-  if (group % 64) return row_u4_avx2(a, w, s, groups, group);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m512 facc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc = _mm512_setzero_si512();
-    const uint8_t* wg = w + g * group / 2;
-    const int8_t* ag = a + g * group;
-    for (int64_t b = 0; b < group / 32; b += 2) {
-      __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 16));
-      __m256i lo = _mm256_and_si256(packed, low);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-      __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                                     _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-      acc = _mm512_dpbusd_epi32(acc, u, _mm512_loadu_si512(ag + b * 32));
-    }
-    facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s[g]), facc);
-  }
-  return _mm512_reduce_add_ps(facc);
-}
-
-// Up to this many activation rows (decode, small batches) the block loops take one output column at a
-// time: four weight rows read side by side stream from memory at about half the speed of one
-// (2048 x 12288 W4A8, one token: 1054 us in 1x4 blocks, 479 us in 1x1); sharing activation loads
-// across four columns pays once enough rows reuse each weight load. Measured crossovers (2048 x 6144,
-// 2x1 against 2x4 blocks): W4A8 at 8-16 rows (16: 1.56 vs 1.19 ms; 512: 59 vs 36 ms); W8A8 at 64-512
-// (16: 1.27 vs 1.78 ms; 512: 48 vs 45 ms).
-constexpr int64_t kFewRowsU4 = 8;
-constexpr int64_t kFewRowsU8 = 64;
-
-// Blocks of R activation rows x C output columns for offset int4 weights, 128 weights per step.
-// A 64-byte load of packed weights holds 128 values; its low nibbles are weights
-// [0-15, 32-47, 64-79, 96-111] and its high nibbles [16-31, 48-63, 80-95, 112-127] of the 128
-// (the 32-value block layout above). The activations are reordered once per matmul to match
-// (permute_for_u4_blocks), so the nibbles feed vpdpbusd as they are: per 128 weights and column,
-// one load, two ANDs, one shift and two vpdpbusd, where row_u4_vnni needs eight instructions per 64.
-// The -8 offset correction enters the int32 accumulator (lane 0 of each group's lanes), so no
-// scalar loop per output remains. Groups: 64 (two per step: lanes 0-7 and 8-15) or multiples of
-// 128. K a multiple of 64 (a trailing 64 is a half step).
-// One 128-weight step at weight byte offset wb and activation offset ab (lo at ab, hi at ab + half).
-template <int R, int C>
-__attribute__((target(CPK_VNNI_TARGET))) inline void u4_step_vnni(__m512i (&acc)[R][C], const int8_t* pa, int64_t k,
-                                                                  const uint8_t* pw, int64_t wstride, int64_t wb,
-                                                                  int64_t ab, int64_t half, __mmask64 mask) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i alo[R], ahi[R];
-  for (int r = 0; r < R; ++r) {
-    alo[r] = _mm512_maskz_loadu_epi8(mask, pa + r * k + ab);
-    ahi[r] = _mm512_maskz_loadu_epi8(mask, pa + r * k + ab + half);
-  }
-  for (int c = 0; c < C; ++c) {
-    const __m512i wv = _mm512_maskz_loadu_epi8(mask, pw + c * wstride + wb);
-    const __m512i lo = _mm512_and_si512(wv, low);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-    for (int r = 0; r < R; ++r)
-      acc[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][c], lo, alo[r]), hi, ahi[r]);
-  }
-}
-
-template <int R, int C>
-__attribute__((target(CPK_VNNI_TARGET))) inline void u4_fold_vnni(__m512 (&facc)[R][C], const __m512i (&acc)[R][C],
-                                                                  int c, __m512 scale) {
-  for (int r = 0; r < R; ++r) facc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), scale, facc[r][c]);
-}
-
-template <int R, int C>
-__attribute__((target(CPK_VNNI_TARGET))) inline void u4_block_vnni(const int8_t* pa, const int32_t* gs, int64_t k,
-                                                                   int64_t groups, int64_t group, const uint8_t* pw,
-                                                                   const float* sw, float* out, int64_t out_stride) {
-  const int64_t wstride = k / 2;
-  __m512 facc[R][C];
-  __m512i acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) facc[r][c] = _mm512_setzero_ps();
-  if (group == 64) {
-    const int64_t steps = k / 128;
-    for (int64_t st = 0; st < steps; ++st) {
-      const int64_t g = 2 * st;
-      for (int r = 0; r < R; ++r) {
-        const __m512i corr = _mm512_maskz_set1_epi32(0x0001, -8 * gs[r * groups + g]);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mask_set1_epi32(corr, 0x0100, -8 * gs[r * groups + g + 1]);
-      }
-      u4_step_vnni<R, C>(acc, pa, k, pw, wstride, st * 64, st * 128, 64, ~__mmask64(0));
-      for (int c = 0; c < C; ++c) {
-        const float* sc = sw + c * groups + g;
-        u4_fold_vnni<R, C>(facc, acc, c, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[0]), _mm512_set1_ps(sc[1])));
-      }
-    }
-    if (k % 128) {  // the last group alone: 32 weight bytes, 32 + 32 activation bytes
-      const int64_t g = groups - 1;
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_maskz_set1_epi32(0x0001, -8 * gs[r * groups + g]);
-      u4_step_vnni<R, C>(acc, pa, k, pw, wstride, steps * 64, steps * 128, 32, __mmask64(0xFFFFFFFFull));
-      for (int c = 0; c < C; ++c) u4_fold_vnni<R, C>(facc, acc, c, _mm512_set1_ps(sw[c * groups + g]));
-    }
-  } else {
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_maskz_set1_epi32(0x0001, -8 * gs[r * groups + g]);
-      for (int64_t st = g * group / 128; st < (g + 1) * group / 128; ++st)
-        u4_step_vnni<R, C>(acc, pa, k, pw, wstride, st * 64, st * 128, 64, ~__mmask64(0));
-      for (int c = 0; c < C; ++c) u4_fold_vnni<R, C>(facc, acc, c, _mm512_set1_ps(sw[c * groups + g]));
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * out_stride + c] = _mm512_reduce_add_ps(facc[r][c]);
-}
-
-// The block order of both VNNI schemes over output columns [c0, c1) and rows [0, m): with more than
-// few_rows rows, 2x4 blocks, then the edges; otherwise one column at a time (2x1, 1x1). block.template
-// run<R, C>(r, c) computes one block.
-template <typename Block>
-__attribute__((always_inline)) inline void for_each_block(int64_t m, int64_t c0, int64_t c1, int64_t few_rows, const Block& block) {
-  int64_t c = c0;
-  for (; m > few_rows && c + 4 <= c1; c += 4) {
-    int64_t r = 0;
-    for (; r + 2 <= m; r += 2) block.template run<2, 4>(r, c);
-    if (r < m) block.template run<1, 4>(r, c);
-  }
-  for (; c < c1; ++c) {
-    int64_t r = 0;
-    for (; r + 2 <= m; r += 2) block.template run<2, 1>(r, c);
-    if (r < m) block.template run<1, 1>(r, c);
-  }
-}
-
-// W4A8 output columns [c0, c1) for rows [0, m), in for_each_block's order.
-struct U4Blocks {
-  const int8_t* pa;
-  const int32_t* gs;
-  int64_t k, groups, group;
-  const uint8_t* pw;
-  const float* sw;
-  int64_t n;
-  float* out;
-  template <int R, int C>
-  __attribute__((target(CPK_VNNI_TARGET))) void run(int64_t r, int64_t c) const {
-    u4_block_vnni<R, C>(pa + r * k, gs + r * groups, k, groups, group, pw + c * (k / 2), sw + c * groups,
-                        out + r * n + c, n);
-  }
-};
-
-// Compiled for VNNI as a whole, so the block loop and the blocks inline into one function (called per
-// block from generic code they did not: W8A8 at 64 rows took 9.6 instead of 5.2 ms).
-__attribute__((target(CPK_VNNI_TARGET))) inline void u4_blocks_vnni(int64_t m, int64_t c0, int64_t c1,
-                                                                    const U4Blocks& blocks) {
-  for_each_block(m, c0, c1, kFewRowsU4, blocks);
-}
-
-// W8A8 blocks of R activation rows x C output columns, weights stored offset (w + 128 as uint8,
-// repacked at load by offset_int8_row): vpdpbusd takes them as the unsigned operand directly, so
-// 64 weights of one column cost one load and one vpdpbusd per row, where dot_i8_vnni needs five
-// instructions (sign juggling) per row and column. The accumulator starts at -128 * sum(a) (lane 0),
-// so it ends at the exact integer dot product: the float epilogue, and so the result, is the twin's.
-template <int R, int C>
-__attribute__((target(CPK_VNNI_TARGET))) inline void u8_block_vnni(const int8_t* qa, const int32_t* asum, int64_t k,
-                                                                   const uint8_t* pw, int32_t* out,
-                                                                   int64_t out_stride) {
-  __m512i acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_maskz_set1_epi32(0x0001, -128 * asum[r]);
-  for (int64_t i = 0; i < k; i += 64) {
-    const __mmask64 mask = k - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - i)) - 1;
-    __m512i a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_maskz_loadu_epi8(mask, qa + r * k + i);
-    for (int c = 0; c < C; ++c) {
-      const __m512i w = _mm512_maskz_loadu_epi8(mask, pw + c * k + i);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w, a[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * out_stride + c] = _mm512_reduce_add_epi32(acc[r][c]);
-}
-
-// W8A8 with offset weights, output columns [c0, c1) for rows [0, m): integer dot products into dots
-// [M, c1 - c0] (int32), in for_each_block's order.
-struct U8Blocks {
-  const int8_t* qa;
-  const int32_t* asum;
-  int64_t k;
-  const uint8_t* pw;
-  int64_t c0, width;
-  int32_t* dots;
-  template <int R, int C>
-  __attribute__((target(CPK_VNNI_TARGET))) void run(int64_t r, int64_t c) const {
-    u8_block_vnni<R, C>(qa + r * k, asum + r, k, pw + c * k, dots + r * width + (c - c0), width);
-  }
-};
-
-__attribute__((target(CPK_VNNI_TARGET))) inline void u8_blocks_vnni(int64_t m, int64_t c0, int64_t c1,
-                                                                    const U8Blocks& blocks) {
-  for_each_block(m, c0, c1, kFewRowsU8, blocks);
-}
 #endif  // __x86_64__
 
 #if defined(__aarch64__)
@@ -527,7 +319,8 @@ inline std::vector<Variant> compiled_variants() {
   std::vector<Variant> v{{"generic", dot_i8_generic, row_u4_generic, nullptr, nullptr, true, L::Offset}};
 #if defined(__x86_64__)
   v.push_back({"avx2", dot_i8_avx2, row_u4_avx2, nullptr, nullptr, false, L::Offset});
-  v.push_back({"avx512_vnni", dot_i8_vnni, row_u4_vnni, nullptr, nullptr, false, L::Offset});
+  // AVX-512 VNNI runs only the panel layout (qlinear_panels.h): no row kernels.
+  v.push_back({"avx512_vnni", nullptr, nullptr, nullptr, nullptr, false, L::Offset, true});
 #endif
 #if defined(__aarch64__)
   v.push_back({"neon", dot_i8_neon, row_s4_neon, nullptr, nullptr, true, L::TwosComplement});
@@ -590,28 +383,6 @@ inline void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, fl
   }
 }
 
-// Whether the variant runs this shape in U4Blocks (u4_block_vnni: see there), and the activation order it reads: per 128
-// values [lo(b0), lo(b1), hi(b0), hi(b1)] for its two 64-value blocks, a trailing 64 as [lo, hi],
-// where lo(b) = b[0-15] b[32-47] and hi(b) = b[16-31] b[48-63].
-inline bool u4_blocks_apply(const Variant& v, int64_t k, int64_t group) {
-  return std::strcmp(v.name, "avx512_vnni") == 0 && k % 64 == 0 && (group == 64 || group % 128 == 0);
-}
-
-inline void permute_for_u4_blocks(const int8_t* a, int64_t k, int8_t* out) {
-  auto block = [&](const int8_t* b, int8_t* lo, int8_t* hi) {
-    std::memcpy(lo, b, 16);
-    std::memcpy(lo + 16, b + 32, 16);
-    std::memcpy(hi, b + 16, 16);
-    std::memcpy(hi + 16, b + 48, 16);
-  };
-  int64_t i = 0;
-  for (; i + 128 <= k; i += 128) {
-    block(a + i, out + i, out + i + 64);
-    block(a + i + 64, out + i + 32, out + i + 96);
-  }
-  if (i < k) block(a + i, out + i, out + i + 32);
-}
-
 // ---------------------------------------------------------------- one thread's share of a linear
 // Output columns [c0, c1) of out [M, N] (row-major, fp32) from quantized activations qa [M, K] with
 // per-row scales sa, and int8 weights qw [N, K] with per-column scales sw.
@@ -640,40 +411,12 @@ inline void w8a8_columns(const Variant& v, const int8_t* qa, const float* sa, in
     for (int64_t rr = r; rr < m; ++rr) put(rr, c, v.dot_i8(qa + rr * k, qw + c * k, k));
 }
 
-// Whether the variant stores W8A8 weights offset (w + 128 as uint8; see u8_block_vnni) or as int8.
-inline bool int8_offset(const Variant& v) { return std::strcmp(v.name, "avx512_vnni") == 0; }
-
-inline void offset_int8_row(const int8_t* src, int64_t k, uint8_t* dst) {
-  for (int64_t i = 0; i < k; ++i) dst[i] = uint8_t(src[i]) ^ 0x80;
-}
-
-// W8A8 with offset weights (int8_offset variants): as w8a8_columns, with per-row activation sums asum.
-inline void w8a8_offset_columns(const Variant& v, const int8_t* qa, const float* sa, const int32_t* asum, int64_t m,
-                                int64_t k, const uint8_t* pw, const float* sw, int64_t n, int64_t c0, int64_t c1,
-                                float* out) {
-  std::vector<int32_t> dots(static_cast<size_t>(m * (c1 - c0)));
-#if defined(__x86_64__)
-  if (int8_offset(v)) u8_blocks_vnni(m, c0, c1, U8Blocks{qa, asum, k, pw, c0, c1 - c0, dots.data()});
-#endif
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t c = c0; c < c1; ++c) out[r * n + c] = (float(dots[r * (c1 - c0) + c - c0]) * sw[c]) * sa[r];
-}
-
 // W4A8: packed nibbles pw [N, K/2] in the variant's layout, scales sw [N, G], per-row per-group
 // activation sums gs [M, G] (used by the offset layout only).
 inline void w4a8_columns(const Variant& v, const int8_t* qa, const float* sa, const int32_t* gs, int64_t m,
                          int64_t k, const uint8_t* pw, const float* sw, int64_t groups, int64_t n, int64_t c0,
-                         int64_t c1, float* out, const int8_t* qa_blocks = nullptr) {
+                         int64_t c1, float* out) {
   const int64_t group = k / groups;
-#if defined(__x86_64__)
-  // qa_blocks: the activations reordered by permute_for_u4_blocks, when the caller has them.
-  if (qa_blocks != nullptr && u4_blocks_apply(v, k, group)) {
-    u4_blocks_vnni(m, c0, c1, U4Blocks{qa_blocks, gs, k, groups, group, pw, sw, n, out});
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t c = c0; c < c1; ++c) out[r * n + c] *= sa[r];
-    return;
-  }
-#endif
   const bool offset = v.layout == Int4Layout::Offset;
   // Offset nibbles: sum_g s_g * (dot_g(u, a) - 8 * sum_g(a)), the correction a short scalar dot product.
   auto put = [&](int64_t r, int64_t c, float dot) {
