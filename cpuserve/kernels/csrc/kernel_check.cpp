@@ -8,6 +8,7 @@
 //
 // usage: kernel_check [VARIANT]   exit 0 when every check passes
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -116,6 +117,49 @@ void w4a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std:
                     out.data());
 }
 
+// The SIMD activation quantizers against the twin: the same scale bits, bytes and group sums, on
+// rows with ties (x / s exactly n + 0.5), NaN, infinities, zeros and lengths off the vector width.
+bool quantizers_agree(Rng& rng) {
+  using Quantizer = void (*)(const float*, int64_t, int64_t, int8_t*, float*, int32_t*);
+  std::vector<std::pair<const char*, Quantizer>> simd;
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) simd.push_back({"avx2", cpk::quantize_row_avx2});
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+    simd.push_back({"avx512", cpk::quantize_row_avx512});
+#endif
+  simd.push_back({"dispatched", cpk::quantize_row});
+  bool ok = true;
+  long rows = 0;
+  for (int64_t k : {1, 7, 16, 31, 64, 70, 576, 2048})
+    for (int kind = 0; kind < 5; ++kind) {
+      std::vector<float> x(k);
+      for (auto& e : x) e = rng.uniform() * 3.f;
+      if (kind == 1) {  // amax 127: s = 1, so halves are exact ties
+        for (int64_t i = 0; i < k; ++i) x[i] = float(rng.range(-126, 126)) + 0.5f;
+        x[0] = 127.f;
+      }
+      if (kind == 2) x[k / 2] = std::nanf("");
+      if (kind == 3) x[k - 1] = -INFINITY;
+      if (kind == 4) std::fill(x.begin(), x.end(), 0.f);
+      const int64_t group = k % 32 == 0 ? 32 : 0;
+      const int64_t groups = group ? k / group : 0;
+      std::vector<int8_t> want(k), got(k);
+      std::vector<int32_t> want_sums(groups + 1), got_sums(groups + 1);
+      float want_scale, got_scale;
+      cpk::quantize_row_generic(x.data(), k, group, want.data(), &want_scale, want_sums.data());
+      for (const auto& [name, quantize] : simd) {
+        ++rows;
+        quantize(x.data(), k, group, got.data(), &got_scale, got_sums.data());
+        if (std::memcmp(&got_scale, &want_scale, sizeof(float)) != 0 || got != want || got_sums != want_sums) {
+          std::printf("MISMATCH quantize_row [%s] K=%lld kind=%d\n", name, (long long)k, kind);
+          ok = false;
+        }
+      }
+    }
+  std::printf("%s activation quantizers (%ld rows against the twin)\n", ok ? "ok" : "FAILED", rows);
+  return ok;
+}
+
 void check_shape(const cpk::Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t group) {
   const cpk::Variant& twin = cpk::twin_for(v.layout);  // the scalar twin of the variant's int4 layout
   // Activations with a few outliers, quantized per token as the kernels do.
@@ -199,6 +243,7 @@ int main(int argc, char** argv) {
     std::printf("FAILED: the offset and two's-complement twins disagree\n");
     return 1;
   }
+  if (!quantizers_agree(rng)) return 1;
   const int64_t ns[] = {1, 2, 3, 7, 16, 33, 70};
   const int64_t ks[] = {128, 384, 1024, 4096};
   const int64_t group_sizes[] = {32, 64, 128, 0};

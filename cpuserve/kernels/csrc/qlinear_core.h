@@ -364,9 +364,21 @@ inline std::string best_variant() {
 }
 
 // ---------------------------------------------------------------- activation quantization
-// One token: s = max(amax, 1e-8) / 127, q = round-half-even(x / s) in [-127, 127]; per-group sums
-// (group 0: none).
-inline void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums) {
+// One token: s = max(amax, 1e-8) / 127, q = round-half-even(x / s) in [-127, 127] (NaN -> -127);
+// per-group sums (group 0: none). The scalar twin; quantize_row picks a SIMD copy that gives the
+// same bytes (IEEE division and round-to-nearest-even are exact operations; max ignores NaN the way
+// fmax does), checked against this one by kernel_check. Without it the twin's nearbyint (a libm call
+// at the baseline ISA) cost ~4 ns per value: ~20% of a 2B prefill.
+inline void group_sums(const int8_t* q, int64_t k, int64_t group, int32_t* sums) {
+  if (group <= 0) return;
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t total = 0;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) total += q[i];
+    sums[g] = total;
+  }
+}
+
+inline void quantize_row_generic(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums) {
   float amax = 0.f;
   for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(x[i]));
   const float s = std::fmax(amax, 1e-8f) / 127.0f;
@@ -375,12 +387,68 @@ inline void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, fl
     float v = std::nearbyint(x[i] / s);
     q[i] = int8_t(std::fmin(127.f, std::fmax(-127.f, v)));
   }
-  if (group <= 0) return;
-  for (int64_t g = 0; g < k / group; ++g) {
-    int32_t total = 0;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) total += q[i];
-    sums[g] = total;
+  group_sums(q, k, group, sums);
+}
+
+#if defined(__x86_64__)
+// max_ps(a, b) returns b when a is NaN: with the running maximum (or the clamp bound) second, NaN
+// inputs are skipped (amax) or become -127 (clamp), as in the twin.
+__attribute__((target("avx512f,avx512bw"))) inline void quantize_row_avx512(const float* x, int64_t k, int64_t group,
+                                                                           int8_t* q, float* scale, int32_t* sums) {
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), vmax);
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; i < k; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float s = std::fmax(amax, 1e-8f) / 127.0f;
+  *scale = s;
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (i = 0; i + 16 <= k; i += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
   }
+  for (; i < k; ++i) q[i] = int8_t(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] / s))));
+  group_sums(q, k, group, sums);
+}
+
+__attribute__((target("avx2,fma"))) inline void quantize_row_avx2(const float* x, int64_t k, int64_t group, int8_t* q,
+                                                                  float* scale, int32_t* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), vmax);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.f;
+  for (float e : lanes) amax = std::fmax(amax, e);
+  for (; i < k; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float s = std::fmax(amax, 1e-8f) / 127.0f;
+  *scale = s;
+  const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (i = 0; i + 8 <= k; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    const __m256i n = _mm256_cvtps_epi32(v);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(words, words));
+  }
+  for (; i < k; ++i) q[i] = int8_t(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] / s))));
+  group_sums(q, k, group, sums);
+}
+#endif
+
+inline void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums) {
+#if defined(__x86_64__)
+  static const int level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+  }();
+  if (level == 2) return quantize_row_avx512(x, k, group, q, scale, sums);
+  if (level == 1) return quantize_row_avx2(x, k, group, q, scale, sums);
+#endif
+  quantize_row_generic(x, k, group, q, scale, sums);
 }
 
 // ---------------------------------------------------------------- one thread's share of a linear
