@@ -55,7 +55,7 @@ def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
         ref = reference_forward(x, q, s, bias)
         assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k, group)
         for variant in runnable_variants()[1:]:
-            got = kernels.w4a8_linear(x, packed[variant], s, bias, variant)
+            got = kernels.w4a8_linear(x, packed[variant], kernels.pack_scales(s, variant), bias, variant)
             assert (got - twin).abs().max().item() <= REL_BUDGET * twin.abs().max().item() + 1e-6, (variant, m, n)
 
 
@@ -91,7 +91,7 @@ def test_bf16_activations_in_and_out(kernels):
     q, s = _weights(4, 64, 64, 576, 5)
     x = torch.randn(3, 576).to(torch.bfloat16)
     variant = runnable_variants()[-1]
-    out = kernels.w4a8_linear(x, kernels.pack_int4(q, variant), s, None, variant)
+    out = kernels.w4a8_linear(x, kernels.pack_int4(q, variant), kernels.pack_scales(s, variant), None, variant)
     assert out.dtype == torch.bfloat16
     ref = reference_forward(x.float(), q, s, None)
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)

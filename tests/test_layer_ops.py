@@ -117,12 +117,20 @@ def _sdpa(q, k, v):
     )[0, :, 0]
 
 
+# "avx512": the intrinsics path where the CPU has AVX-512 (else the same as "portable": the template
+# loops compiled per ISA, which CPUSERVE_ISA=generic selects).
+ATTENTION_PATHS = ["avx512", "portable"]
+
+
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (16, 2), (4, 4)])
 @pytest.mark.parametrize("dtype,budget", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("native_ops", [True, False])
-def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype, budget, native_ops):
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype, budget, native_ops, path):
     if not native_ops:
         monkeypatch.setattr(ops, "_use_native", lambda *t: None)
+    if path == "portable":
+        monkeypatch.setenv("CPUSERVE_ISA", "generic")
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     n, d, capacity = 3, 64, 96
     lengths = [37, 20, 1]
@@ -143,9 +151,13 @@ def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype
 
 
 @pytest.mark.parametrize("dtype,budget", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
-def test_contiguous_decode_attention_equals_sdpa(kernels, dtype, budget):
+@pytest.mark.parametrize("used", [33, 700])  # 700: many key blocks, a wide range of exponents
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_contiguous_decode_attention_equals_sdpa(kernels, monkeypatch, dtype, budget, used, path):
+    if path == "portable":
+        monkeypatch.setenv("CPUSERVE_ISA", "generic")
     gen = torch.Generator().manual_seed(11)
-    b, hq, hkv, d, cap, used = 2, 8, 2, 128, 50, 33
+    b, hq, hkv, d, cap = 2, 8, 2, 128, used + 17
     q = torch.randn(b, hq, d, generator=gen).to(dtype)
     cache_k = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
     cache_v = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
@@ -218,3 +230,21 @@ def test_quantized_model_with_native_ops_stays_within_the_schemes_own_noise(kern
     ours = _model_logprobs(path, ids, True, monkeypatch)
     assert _kl(reference, ours) < _kl(float_model, reference)
     assert (reference.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.85
+
+
+def test_both_attention_paths_run_here(kernels, monkeypatch):
+    """CPUSERVE_ISA=generic really switches the AVX-512 attention off (so the tests above check both):
+    their float rounding differs (another exp, another summation order), their results agree."""
+    from cpuserve.kernels import runnable_variants
+
+    if "avx512_vnni" not in runnable_variants():
+        pytest.skip("no AVX-512 here: only the portable path exists")
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 8, 128, generator=gen)
+    k, v = torch.randn(1, 300, 2, 128, generator=gen), torch.randn(1, 300, 2, 128, generator=gen)
+    lengths = torch.tensor([300])
+    fast = kernels.decode_attention(q, k, v, None, lengths, 128**-0.5)
+    monkeypatch.setenv("CPUSERVE_ISA", "generic")
+    portable = kernels.decode_attention(q, k, v, None, lengths, 128**-0.5)
+    assert not torch.equal(fast, portable)
+    assert (fast - portable).abs().max() <= 2e-6

@@ -56,6 +56,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
         fused.packed_layout = first.packed_layout
         fused.scales = torch.cat([p.scales for p in parts], dim=0)
         fused.native, fused.variant = first.native, first.variant
+        if first.kernel_scales is not None:
+            fused.kernel_scales = first.native.pack_scales(fused.scales, first.variant)
     else:
         fused = nn.Linear(first.in_features, out_features, bias=bias is not None, device="meta")
         fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts], dim=0), requires_grad=False)

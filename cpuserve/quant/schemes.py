@@ -110,6 +110,7 @@ class QuantLinear(nn.Module):
         self.variant = "reference"
         self.packed: torch.Tensor | None = None  # the weight in a kernel variant's layout
         self.packed_layout = "offset"  # which one (kernels.int4_layout / int8_layout of that variant)
+        self.kernel_scales: torch.Tensor | None = None  # W4A8 scales in the variant's order (pack_scales)
 
     def use_native(self, kernels, variant: str) -> bool:  # type: ignore[no-untyped-def]
         """Switch to a native variant when the shapes fit it; the int4 weight is repacked (and the
@@ -130,6 +131,7 @@ class QuantLinear(nn.Module):
                 self.packed = pack(self.int_weight(), variant)
             self.qweight = None
         self.packed_layout = layout
+        self.kernel_scales = kernels.pack_scales(self.scales, variant) if bits4 else None
         self.native, self.variant = kernels, variant
         return True
 
@@ -146,7 +148,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.quant.bits == 4:
-            y = self.native.w4a8_linear(x2, self.packed, self.scales, self.bias, self.variant)
+            y = self.native.w4a8_linear(x2, self.packed, self.kernel_scales, self.bias, self.variant)
         else:
             weight = self.qweight if self.qweight is not None else self.packed
             y = self.native.w8a8_linear(x2, weight, self.scales.view(-1), self.bias, self.variant)

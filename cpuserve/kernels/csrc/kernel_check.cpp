@@ -103,8 +103,10 @@ void w4a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std:
     for (int64_t p = 0; p < cpk::panel_count(n); ++p)
       cpk::pack_int4_panel(n, k, p, pw.data(), [&](int64_t c, int64_t i) { return uint8_t(w4[c * k + i] + 8); });
     const int64_t panels = cpk::panel_count(n), split = panels / 3;
-    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), s4.data(), groups, n, 0, split, out.data());
-    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), s4.data(), groups, n, split, panels,
+    std::vector<float> sp(s4.size());
+    for (int64_t p = 0; p < panels; ++p) cpk::pack_scales_panel(s4.data(), n, groups, p, sp.data());
+    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), sp.data(), groups, n, 0, split, out.data());
+    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), sp.data(), groups, n, split, panels,
                      out.data());
     return;
   }

@@ -12,9 +12,14 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 
@@ -198,8 +203,9 @@ inline float dot(const float* q, const T* k, int64_t d) {
   int64_t i = 0;
   for (; i + kDotLanes <= d; i += kDotLanes)
     for (int j = 0; j < kDotLanes; ++j) part[j] += q[i + j] * load(k, i + j);
-  float total = 0.f;
-  for (int j = 0; j < kDotLanes; ++j) total += part[j];
+  for (int w = kDotLanes / 2; w > 0; w /= 2)  // a tree, not a chain of 16 dependent adds
+    for (int j = 0; j < w; ++j) part[j] += part[j + w];
+  float total = part[0];
   for (; i < d; ++i) total += q[i] * load(k, i);
   return total;
 }
@@ -276,6 +282,145 @@ CPUSERVE_CLONES void attention_jobs_f16(const AttentionJobs& a, int64_t begin, i
   attention_jobs<c10::Half>(a, begin, end);
 }
 
+#if defined(__x86_64__)
+// ---- AVX-512: keys in blocks of 16, no horizontal sum per dot product, vector exp.
+// Scores: each key row is converted to fp32 once for the heads sharing it; each (head, key) leaves a
+// 16-lane partial, and the 16 partials of a key block are summed lane-wise by one transpose tree
+// (sum16) into the block's 16 scores. Softmax with a vector exp. Values: per 16 columns of the head
+// dimension, every head's accumulator in a register, each value row read once.
+#define CPUSERVE_AVX512 __attribute__((target("avx512f")))
+
+CPUSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+CPUSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+CPUSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane l of the result = the sum of v[l]'s 16 lanes.
+CPUSERVE_AVX512 inline __m512 sum16(__m512 (&v)[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// e^x, ~2 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial; scalef
+// gives 0 for large negative x (the softmax's -inf shifted scores included).
+CPUSERVE_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t kMaxHeadChunks = 16;  // head dimension up to 256
+constexpr int64_t kMaxGroup = 16;       // query heads per KV head
+
+template <typename T>
+CPUSERVE_AVX512 void attention_jobs_avx512(const AttentionJobs& a, int64_t begin, int64_t end) {
+  const int64_t group = a.hq / a.hkv, d = a.d, chunks = d / 16;
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  const int64_t stride = (a.longest + 15) / 16 * 16;
+  std::vector<float> scores(static_cast<size_t>(group * stride));
+  alignas(64) float partial[kMaxGroup][16][16];
+  for (int64_t job = begin; job < end; ++job) {
+    const int64_t seq = job / a.hkv, head = job % a.hkv, length = a.lengths[seq];
+    const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
+    const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+    const float* qs = a.q + (seq * a.hq + head * group) * d;
+    auto row = [&](const T* p, int64_t l) { return p + base + (slot ? slot[l] : l) * a.ks; };
+    for (int64_t l0 = 0; l0 < length; l0 += 16) {
+      const int64_t nb = std::min<int64_t>(16, length - l0);
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= nb) {  // past the end of the context: zero partials, masked off below
+          for (int64_t g = 0; g < group; ++g) _mm512_store_ps(partial[g][j], _mm512_setzero_ps());
+          continue;
+        }
+        const T* key = row(kp, l0 + j);
+        __m512 kv[kMaxHeadChunks];
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(key + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qs + g * d;
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+          for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
+          _mm512_store_ps(partial[g][j], acc);
+        }
+      }
+      const __mmask16 live = __mmask16((1u << nb) - 1);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 v[16];
+        for (int j = 0; j < 16; ++j) v[j] = _mm512_load_ps(partial[g][j]);
+        _mm512_mask_storeu_ps(scores.data() + g * stride + l0, live,
+                              _mm512_mul_ps(sum16(v), _mm512_set1_ps(a.scale)));
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sc = scores.data() + g * stride;
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t l = 0; l < length; l += 16) {
+        const __mmask16 m = __mmask16(length - l >= 16 ? 0xFFFF : (1u << (length - l)) - 1);
+        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, sc + l));
+      }
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t l = 0; l < length; l += 16) {
+        const __mmask16 m = __mmask16(length - l >= 16 ? 0xFFFF : (1u << (length - l)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + l), shift));
+        _mm512_mask_storeu_ps(sc + l, m, e);
+        total = _mm512_mask_add_ps(total, m, total, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+      for (int64_t l = 0; l < length; l += 16) {
+        const __mmask16 m = __mmask16(length - l >= 16 ? 0xFFFF : (1u << (length - l)) - 1);
+        _mm512_mask_storeu_ps(sc + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + l), inv));
+      }
+    }
+    float* o = a.out + (seq * a.hq + head * group) * d;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 acc[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t l = 0; l < length; ++l) {
+        const __m512 value = load16(row(vp, l) + 16 * c);
+        for (int64_t g = 0; g < group; ++g)
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + l]), value, acc[g]);
+      }
+      for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(o + g * d + 16 * c, acc[g]);
+    }
+  }
+}
+
+// The CPU has AVX-512, the shape fits, and CPUSERVE_ISA (read per call, for tests and A/B runs) does
+// not name a variant below it (generic, avx2): then the loops above run the portable template.
+bool attention_avx512_fits(int64_t d, int64_t group) {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  const char* isa = std::getenv("CPUSERVE_ISA");
+  const bool below = isa != nullptr && (std::strcmp(isa, "generic") == 0 || std::strcmp(isa, "avx2") == 0);
+  return cpu && !below && d % 16 == 0 && d / 16 <= kMaxHeadChunks && group <= kMaxGroup;
+}
+#endif  // __x86_64__
+
 }  // namespace
 
 // One query token per sequence against its cached keys/values, softmax in fp32.
@@ -322,6 +467,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
              : k.scalar_type() == torch::kBFloat16 ? attention_jobs_bf16
              : k.scalar_type() == torch::kHalf     ? attention_jobs_f16
                                                    : nullptr;
+#if defined(__x86_64__)
+  if (attention_avx512_fits(d, hq / hkv))
+    run = k.scalar_type() == torch::kFloat32    ? attention_jobs_avx512<float>
+          : k.scalar_type() == torch::kBFloat16 ? attention_jobs_avx512<c10::BFloat16>
+          : k.scalar_type() == torch::kHalf     ? attention_jobs_avx512<c10::Half>
+                                                : nullptr;
+#endif
   TORCH_CHECK(run != nullptr, "decode_attention: unsupported cache dtype ", k.scalar_type());
   at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());

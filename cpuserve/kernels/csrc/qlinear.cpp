@@ -135,7 +135,8 @@ std::string int8_layout(std::string variant) {
   return variant_or_fail(variant).panels ? "offset_panel" : "signed";
 }
 
-// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G]: out [M, N].
+// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
+// gives them for the variant: out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, std::string variant) {
   const cpk::Variant& v = variant_or_fail(variant);
@@ -159,6 +160,20 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
   });
   return finish(out, bias, x.scalar_type());
+}
+
+// W4A8 scales fp32 [N, G] in the variant's order: as they are, or in panel order.
+torch::Tensor pack_scales(torch::Tensor scales, std::string variant) {
+  auto src_t = scales.to(torch::kFloat32).contiguous();
+  if (!variant_or_fail(variant).panels) return src_t;
+  const int64_t n = scales.size(0), groups = scales.size(1);
+  auto out = torch::empty({n, groups}, torch::kFloat32);
+  const float* src = src_t.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, cpk::panel_count(n), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) cpk::pack_scales_panel(src, n, groups, p, dst);
+  });
+  return out;
 }
 
 // [N, K / 2] uint8 in the variant's int4 layout; nibble(c, i) reads column c's input i as an offset
@@ -226,6 +241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
   mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8, or uint8 + 128 panels)");
   mod.def("int8_layout", &int8_layout, "signed or offset_panel: how the variant stores W8A8 weights");
+  mod.def("pack_scales", &pack_scales, "W4A8 scales in the variant's order (panel order for panel variants)");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
   mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");
   mod.def("int4_layout", &int4_layout, "offset, twos_complement or offset_panel: how the variant stores int4 nibbles");

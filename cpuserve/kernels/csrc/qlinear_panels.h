@@ -59,15 +59,24 @@ inline void pack_int8_panel(const int8_t* src, int64_t n, int64_t k, int64_t p, 
       }
 }
 
+// W4A8 scales [N, groups] into panel order (the whole [N, groups] buffer dst): panel p at 16p * groups
+// floats, then per group its w columns' scales, so each group's scales are one 16-float (masked) load.
+inline void pack_scales_panel(const float* sw, int64_t n, int64_t groups, int64_t p, float* dst) {
+  const int64_t w = panel_width(n, p), c0 = p * kPanel;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t c = 0; c < w; ++c) dst[c0 * groups + g * w + c] = sw[(c0 + c) * groups + g];
+}
+
 #if defined(__x86_64__)
 #define CPK_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 
-// Up to 4 panels side by side: where each starts, bytes per step (4 * width), its load mask, and the
-// last panel's column mask for stores (only the last panel of a weight can be narrower than 16).
+// Up to 4 panels side by side: where each starts, bytes per step (4 * width), its load mask, its
+// width, and the last panel's column mask (only the last panel of a weight can be narrower than 16).
 struct PanelRun {
   const uint8_t* base[4];
   int64_t step[4];
   __mmask64 load[4];
+  int64_t width[4];
   __mmask16 store_last;
   int64_t c0;  // first column
   int64_t np;  // panels in this run
@@ -82,10 +91,13 @@ inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n
     run.base[i] = pw + (p + i) * kPanel * bytes_per_column;
     run.step[i] = 4 * w;
     run.load[i] = w == kPanel ? ~__mmask64(0) : (__mmask64(1) << (4 * w)) - 1;
+    run.width[i] = w;
     if (i == np - 1) run.store_last = __mmask16((1u << w) - 1);
   }
   return run;
 }
+
+
 
 __attribute__((target(CPK_VNNI_TARGET))) inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -129,12 +141,12 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
   }
 }
 
-// W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels; st holds the run's scales as
-// [P][groups][16] (zero beyond the last column). out = sa[r] * sum_g s_g * dot_g.
+// W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels; sp: the run's scales in panel
+// order (pack_scales_panel, from the run's first column). out = sa[r] * sum_g s_g * dot_g.
 template <int R, int P>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
-                                                                    const float* st, const float* sa, float* out,
+                                                                    const float* sp, const float* sa, float* out,
                                                                     int64_t n) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;  // 8-input steps per group
@@ -156,7 +168,8 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
         }
       }
     for (int i = 0; i < P; ++i) {
-      const __m512 s = _mm512_loadu_ps(st + (i * groups + g) * kPanel);
+      const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
+                                             sp + i * kPanel * groups + g * run.width[i]);
       for (int r = 0; r < R; ++r) facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), s, facc[r][i]);
     }
   }
@@ -222,30 +235,26 @@ struct U4Panels {
   PanelRun run;
   const int8_t* qa;
   const int32_t* gs;
-  const float *st, *sa;
+  const float *sp, *sa;
   int64_t k, groups, n;
   float* out;
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
-    u4_panel_block<R, P>(run, qa + r * k, gs + r * groups, k, groups, st, sa + r, out + r * n + run.c0, n);
+    u4_panel_block<R, P>(run, qa + r * k, gs + r * groups, k, groups, sp + run.c0 * groups, sa + r,
+                         out + r * n + run.c0, n);
   }
 };
 
-// W4A8 panels [p0, p1) of pw (pack_int4_panel) with scales sw [N, groups], for all M rows: out [M, N].
+// W4A8 panels [p0, p1) of pw (pack_int4_panel) with scales sp [N, groups] in panel order
+// (pack_scales_panel), for all M rows: out [M, N].
 __attribute__((target(CPK_VNNI_TARGET))) inline void w4a8_panels(const int8_t* qa, const float* sa, const int32_t* gs,
                                                                  int64_t m, int64_t k, const uint8_t* pw,
-                                                                 const float* sw, int64_t groups, int64_t n,
+                                                                 const float* sp, int64_t groups, int64_t n,
                                                                  int64_t p0, int64_t p1, float* out) {
-  std::vector<float> st(static_cast<size_t>(4 * groups * kPanel));
   for (int64_t r0 = 0; r0 < m; r0 += kPanelRows)
     for (int64_t p = p0; p < p1; p += 4) {
       const int64_t np = std::min<int64_t>(4, p1 - p);
-      std::fill(st.begin(), st.end(), 0.f);
-      for (int64_t i = 0; i < np; ++i)
-        for (int64_t c = 0; c < panel_width(n, p + i); ++c)
-          for (int64_t g = 0; g < groups; ++g)
-            st[(i * groups + g) * kPanel + c] = sw[((p + i) * kPanel + c) * groups + g];
-      const U4Panels block{panel_run(pw, k / 2, n, p, np), qa, gs, st.data(), sa, k, groups, n, out};
+      const U4Panels block{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out};
       panel_rows(block, np, r0, std::min(m, r0 + kPanelRows));
     }
 }
