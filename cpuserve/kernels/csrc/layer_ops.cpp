@@ -334,78 +334,126 @@ CPUSERVE_AVX512 inline __m512 exp16(__m512 x) {
 constexpr int64_t kMaxHeadChunks = 16;  // head dimension up to 256
 constexpr int64_t kMaxGroup = 16;       // query heads per KV head
 
+// One part of a job: keys [l0, l1) of (seq, head) for its `group` query heads. Leaves, per head, the
+// part's largest score (mx), the sum of e^(score - mx) (total) and the unnormalized output
+// sum e^(score - mx) v (o, [group, d]); an empty part leaves -inf, 0, 0. attention_avx512 merges.
 template <typename T>
-CPUSERVE_AVX512 void attention_jobs_avx512(const AttentionJobs& a, int64_t begin, int64_t end) {
-  const int64_t group = a.hq / a.hkv, d = a.d, chunks = d / 16;
+CPUSERVE_AVX512 void attention_part_avx512(const AttentionJobs& a, int64_t seq, int64_t head, int64_t l0,
+                                           int64_t l1, float* scores, float* mx, float* total, float* o) {
+  const int64_t group = a.hq / a.hkv, d = a.d, chunks = d / 16, count = l1 - l0;
+  const int64_t stride = (count + 15) / 16 * 16;
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
-  const int64_t stride = (a.longest + 15) / 16 * 16;
-  std::vector<float> scores(static_cast<size_t>(group * stride));
+  const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
+  const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+  const float* qs = a.q + (seq * a.hq + head * group) * d;
+  auto row = [&](const T* p, int64_t l) { return p + base + (slot ? slot[l] : l) * a.ks; };
   alignas(64) float partial[kMaxGroup][16][16];
-  for (int64_t job = begin; job < end; ++job) {
-    const int64_t seq = job / a.hkv, head = job % a.hkv, length = a.lengths[seq];
-    const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
-    const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
-    const float* qs = a.q + (seq * a.hq + head * group) * d;
-    auto row = [&](const T* p, int64_t l) { return p + base + (slot ? slot[l] : l) * a.ks; };
-    for (int64_t l0 = 0; l0 < length; l0 += 16) {
-      const int64_t nb = std::min<int64_t>(16, length - l0);
-      for (int64_t j = 0; j < 16; ++j) {
-        if (j >= nb) {  // past the end of the context: zero partials, masked off below
-          for (int64_t g = 0; g < group; ++g) _mm512_store_ps(partial[g][j], _mm512_setzero_ps());
-          continue;
-        }
-        const T* key = row(kp, l0 + j);
-        __m512 kv[kMaxHeadChunks];
-        for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(key + 16 * c);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qs + g * d;
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-          for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
-          _mm512_store_ps(partial[g][j], acc);
-        }
+  for (int64_t b0 = 0; b0 < count; b0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, count - b0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= nb) {  // past the end of the part: zero partials, masked off below
+        for (int64_t g = 0; g < group; ++g) _mm512_store_ps(partial[g][j], _mm512_setzero_ps());
+        continue;
       }
-      const __mmask16 live = __mmask16((1u << nb) - 1);
+      const T* key = row(kp, l0 + b0 + j);
+      __m512 kv[kMaxHeadChunks];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(key + 16 * c);
       for (int64_t g = 0; g < group; ++g) {
-        __m512 v[16];
-        for (int j = 0; j < 16; ++j) v[j] = _mm512_load_ps(partial[g][j]);
-        _mm512_mask_storeu_ps(scores.data() + g * stride + l0, live,
-                              _mm512_mul_ps(sum16(v), _mm512_set1_ps(a.scale)));
+        const float* qg = qs + g * d;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
+        _mm512_store_ps(partial[g][j], acc);
       }
     }
+    const __mmask16 live = __mmask16((1u << nb) - 1);
     for (int64_t g = 0; g < group; ++g) {
-      float* sc = scores.data() + g * stride;
-      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t l = 0; l < length; l += 16) {
-        const __mmask16 m = __mmask16(length - l >= 16 ? 0xFFFF : (1u << (length - l)) - 1);
-        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, sc + l));
-      }
-      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t l = 0; l < length; l += 16) {
-        const __mmask16 m = __mmask16(length - l >= 16 ? 0xFFFF : (1u << (length - l)) - 1);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + l), shift));
-        _mm512_mask_storeu_ps(sc + l, m, e);
-        total = _mm512_mask_add_ps(total, m, total, e);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-      for (int64_t l = 0; l < length; l += 16) {
-        const __mmask16 m = __mmask16(length - l >= 16 ? 0xFFFF : (1u << (length - l)) - 1);
-        _mm512_mask_storeu_ps(sc + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + l), inv));
-      }
-    }
-    float* o = a.out + (seq * a.hq + head * group) * d;
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512 acc[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
-      for (int64_t l = 0; l < length; ++l) {
-        const __m512 value = load16(row(vp, l) + 16 * c);
-        for (int64_t g = 0; g < group; ++g)
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + l]), value, acc[g]);
-      }
-      for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(o + g * d + 16 * c, acc[g]);
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) v[j] = _mm512_load_ps(partial[g][j]);
+      _mm512_mask_storeu_ps(scores + g * stride + b0, live, _mm512_mul_ps(sum16(v), _mm512_set1_ps(a.scale)));
     }
   }
+  auto mask_at = [&](int64_t l) { return __mmask16(count - l >= 16 ? 0xFFFF : (1u << (count - l)) - 1); };
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores + g * stride;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t l = 0; l < count; l += 16)
+      top = _mm512_mask_max_ps(top, mask_at(l), top, _mm512_maskz_loadu_ps(mask_at(l), sc + l));
+    mx[g] = _mm512_reduce_max_ps(top);
+    const __m512 shift = _mm512_set1_ps(mx[g]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < count; l += 16) {
+      const __mmask16 m = mask_at(l);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + l), shift));
+      _mm512_mask_storeu_ps(sc + l, m, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 acc[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < count; ++l) {
+      const __m512 value = load16(row(vp, l0 + l) + 16 * c);
+      for (int64_t g = 0; g < group; ++g)
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + l]), value, acc[g]);
+    }
+    for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(o + g * d + 16 * c, acc[g]);
+  }
+}
+
+constexpr int64_t kMaxParts = 16;  // key parts per (sequence, KV head)
+
+// Jobs [begin, end): the weighted sum of their parts' outputs over the weighted sum of their totals,
+// each part weighted by e^(its max - the job's max).
+CPUSERVE_AVX512 void merge_parts(const AttentionJobs& a, int64_t split, const float* mx, const float* total,
+                                 const float* o, int64_t begin, int64_t end) {
+  const int64_t group = a.hq / a.hkv, d = a.d;
+  for (int64_t job = begin; job < end; ++job)
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < split; ++part) top = std::max(top, mx[(job * split + part) * group + g]);
+      float weight[kMaxParts], sum = 0.f;
+      for (int64_t part = 0; part < split; ++part) {
+        const int64_t i = (job * split + part) * group + g;
+        weight[part] = total[i] > 0.f ? std::exp(mx[i] - top) : 0.f;
+        sum += weight[part] * total[i];
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / sum);
+      float* out = a.out + ((job / a.hkv) * a.hq + (job % a.hkv) * group + g) * d;
+      for (int64_t c = 0; c < d; c += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t part = 0; part < split; ++part)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(weight[part]), _mm512_loadu_ps(o + ((job * split + part) * group + g) * d + c),
+                                acc);
+        _mm512_storeu_ps(out + c, _mm512_mul_ps(acc, inv));
+      }
+    }
+}
+
+// Splits each (sequence, KV head)'s keys into parts when there are too few of those to give every
+// thread work (SmolLM2: 3 KV heads on 2 threads left one thread idle a third of the time), then merges
+// the parts' softmax statistics (the flash-decoding reduction).
+template <typename T>
+CPUSERVE_AVX512 void attention_avx512(const AttentionJobs& a, int64_t n) {
+  const int64_t group = a.hq / a.hkv, d = a.d, jobs = n * a.hkv;
+  const int64_t threads = at::get_num_threads();
+  int64_t split = jobs >= 2 * threads ? 1 : (2 * threads + jobs - 1) / jobs;
+  split = std::max<int64_t>(1, std::min({split, a.longest / 64, kMaxParts}));  // at least 64 keys a part
+  const int64_t parts = jobs * split;
+  std::vector<float> mx(parts * group), total(parts * group), o(parts * group * d);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(group * ((a.longest + split - 1) / split + 16)));
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t job = p / split, part = p % split, length = a.lengths[job / a.hkv];
+      attention_part_avx512<T>(a, job / a.hkv, job % a.hkv, part * length / split, (part + 1) * length / split,
+                               scores.data(), mx.data() + p * group, total.data() + p * group,
+                               o.data() + p * group * d);
+    }
+  });
+  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+    merge_parts(a, split, mx.data(), total.data(), o.data(), begin, end);
+  });
 }
 
 // The CPU has AVX-512, the shape fits, and CPUSERVE_ISA (read per call, for tests and A/B runs) does
@@ -467,14 +515,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
              : k.scalar_type() == torch::kBFloat16 ? attention_jobs_bf16
              : k.scalar_type() == torch::kHalf     ? attention_jobs_f16
                                                    : nullptr;
-#if defined(__x86_64__)
-  if (attention_avx512_fits(d, hq / hkv))
-    run = k.scalar_type() == torch::kFloat32    ? attention_jobs_avx512<float>
-          : k.scalar_type() == torch::kBFloat16 ? attention_jobs_avx512<c10::BFloat16>
-          : k.scalar_type() == torch::kHalf     ? attention_jobs_avx512<c10::Half>
-                                                : nullptr;
-#endif
   TORCH_CHECK(run != nullptr, "decode_attention: unsupported cache dtype ", k.scalar_type());
+#if defined(__x86_64__)
+  if (attention_avx512_fits(d, hq / hkv)) {
+    if (k.scalar_type() == torch::kFloat32) attention_avx512<float>(a, n);
+    if (k.scalar_type() == torch::kBFloat16) attention_avx512<c10::BFloat16>(a, n);
+    if (k.scalar_type() == torch::kHalf) attention_avx512<c10::Half>(a, n);
+    return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+  }
+#endif
   at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
