@@ -64,7 +64,7 @@ def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
 def test_w8a8_variants_equal_the_twin_and_the_reference(kernels, n, k):
     q, s = _weights(8, None, n, k, n * k)
     q[0, :4] = torch.tensor([-128, 127, -127, 0], dtype=torch.int8)  # the extremes of both layouts
-    weights = {}  # each variant's own layout (AVX-512 VNNI: uint8 w + 128 panels; the rest int8)
+    weights = {}  # each variant's own layout (AVX-512 VNNI: uint8 w + 128 panels; AVX2: int8 panels; rows)
     for variant in runnable_variants():
         weights[variant] = kernels.pack_int8(q, variant)
         assert torch.equal(unpack_int8(weights[variant], k, kernels.int8_layout(variant)), q), variant
@@ -82,7 +82,8 @@ def test_w8a8_variants_equal_the_twin_and_the_reference(kernels, n, k):
 def test_w8a8_refuses_a_weight_in_another_variants_layout(kernels):
     _, s = _weights(8, None, 8, 128, 3)
     for variant in runnable_variants():
-        other = torch.empty(8, 128, dtype=torch.uint8 if kernels.int8_layout(variant) == "signed" else torch.int8)
+        signed = kernels.int8_layout(variant) in ("signed", "signed_panel")
+        other = torch.empty(8, 128, dtype=torch.uint8 if signed else torch.int8)
         with pytest.raises(RuntimeError, match="as pack_int8 gives it"):
             kernels.w8a8_linear(torch.randn(2, 128), other, s.view(-1), None, variant)
 
@@ -151,6 +152,7 @@ def test_unpack_reads_the_panel_layouts():
     q4 = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
     q8 = torch.randint(-128, 128, (n, k - 2), dtype=torch.int8, generator=gen)  # K 62: padded to 64
     b4, b8 = torch.zeros(n * k // 2, dtype=torch.uint8), torch.zeros(n * k, dtype=torch.uint8)
+    signed = torch.zeros(n * k, dtype=torch.int8)  # w itself, padding 0
     for c in range(n):
         c0, w = c // 16 * 16, min(16, n - c // 16 * 16)
         for j in range(k // 8):
@@ -159,14 +161,19 @@ def test_unpack_reads_the_panel_layouts():
                 b4[c0 * k // 2 + j * 4 * w + (c - c0) * 4 + i] = lo | (hi << 4)
         for j in range(k // 4):
             for i in range(4):
-                value = int(q8[c, 4 * j + i]) + 128 if 4 * j + i < k - 2 else 0
-                b8[c0 * k + j * 4 * w + (c - c0) * 4 + i] = value
+                value = int(q8[c, 4 * j + i]) if 4 * j + i < k - 2 else None
+                b8[c0 * k + j * 4 * w + (c - c0) * 4 + i] = 0 if value is None else value + 128
+                signed[c0 * k + j * 4 * w + (c - c0) * 4 + i] = 0 if value is None else value
     assert torch.equal(unpack_nibbles(b4.view(n, k // 2), k, "offset_panel"), q4)
     assert torch.equal(unpack_int8(b8.view(n, k), k - 2, "offset_panel"), q8)
-    if "avx512_vnni" in runnable_variants():
-        kernels = native()
-        assert torch.equal(kernels.pack_int4(q4, "avx512_vnni").view(-1), b4)
-        assert torch.equal(kernels.pack_int8(q8, "avx512_vnni").view(-1), b8)
+    assert torch.equal(unpack_int8(signed.view(n, k), k - 2, "signed_panel"), q8)
+    kernels = native()
+    for variant in runnable_variants():
+        if kernels.int4_layout(variant) == "offset_panel":
+            assert torch.equal(kernels.pack_int4(q4, variant).view(-1), b4), variant
+        want8 = {"offset_panel": b8, "signed_panel": signed}.get(kernels.int8_layout(variant))
+        if want8 is not None:
+            assert torch.equal(kernels.pack_int8(q8, variant).view(-1), want8), variant
 
 
 def test_one_openmp_runtime_in_the_process(kernels):

@@ -84,13 +84,14 @@ def unpack_nibbles(packed: torch.Tensor, k: int, layout: str = "offset") -> torc
 
 
 def unpack_int8(packed: torch.Tensor, k: int, layout: str) -> torch.Tensor:
-    """A native W8A8 layout back to int8 [N, K]: `signed` is the weight itself; `offset_panel` is
-    uint8 w + 128 [N, K rounded up to 4], 16 columns interleaved by 4 values."""
+    """A native W8A8 layout back to int8 [N, K]: `signed` is the weight itself; `signed_panel` (int8)
+    and `offset_panel` (uint8 w + 128) are [N, K rounded up to 4], 16 columns interleaved by 4 values."""
     if layout == "signed":
         return packed
+    flip = 0x80 if layout == "offset_panel" else 0
 
     def panel(steps: torch.Tensor) -> torch.Tensor:  # [w, K4/4, 4] -> [w, K]
-        return (steps ^ 0x80).view(torch.int8).reshape(steps.shape[0], -1)[:, :k]
+        return (steps ^ flip).view(torch.int8).reshape(steps.shape[0], -1)[:, :k]
 
     return _unpanel(packed, packed.shape[0], packed.shape[1], panel)
 

@@ -71,22 +71,21 @@ void fail(const char* what, const char* variant, int64_t m, int64_t n, int64_t k
 void w8a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std::vector<float>& sa, int64_t m,
                 int64_t k, const std::vector<int8_t>& w8, const std::vector<float>& s8, int64_t n,
                 std::vector<float>& out) {
-#if defined(__x86_64__)
   if (v.panels) {
     std::vector<uint8_t> pw(n * cpk::quad_k(k));
-    for (int64_t p = 0; p < cpk::panel_count(n); ++p) cpk::pack_int8_panel(w8.data(), n, k, p, pw.data());
+    for (int64_t p = 0; p < cpk::panel_count(n); ++p)
+      cpk::pack_int8_panel(w8.data(), n, k, p, pw.data(), v.panels == cpk::kVnniPanels);
     std::vector<int8_t> padded(qa);
     padded.resize(qa.size() + 4);  // rows readable 4 bytes past the last, as the binding keeps them
     std::vector<int32_t> asum(m, 0);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t i = 0; i < k; ++i) asum[r] += qa[r * k + i];
     const int64_t panels = cpk::panel_count(n), split = panels / 3;
-    cpk::w8a8_panels(padded.data(), sa.data(), asum.data(), m, k, pw.data(), s8.data(), n, 0, split, out.data());
-    cpk::w8a8_panels(padded.data(), sa.data(), asum.data(), m, k, pw.data(), s8.data(), n, split, panels,
+    cpk::w8a8_panels(v, padded.data(), sa.data(), asum.data(), m, k, pw.data(), s8.data(), n, 0, split, out.data());
+    cpk::w8a8_panels(v, padded.data(), sa.data(), asum.data(), m, k, pw.data(), s8.data(), n, split, panels,
                      out.data());
     return;
   }
-#endif
   const int64_t split = n / 3;
   cpk::w8a8_columns(v, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, 0, split, out.data());
   cpk::w8a8_columns(v, qa.data(), sa.data(), m, k, w8.data(), s8.data(), n, split, n, out.data());
@@ -97,7 +96,6 @@ void w4a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std:
                 const std::vector<int32_t>& gs, int64_t m, int64_t k, const std::vector<int8_t>& w4,
                 const std::vector<uint8_t>& rows, const std::vector<float>& s4, int64_t groups, int64_t n,
                 std::vector<float>& out) {
-#if defined(__x86_64__)
   if (v.panels) {
     std::vector<uint8_t> pw(n * k / 2);
     for (int64_t p = 0; p < cpk::panel_count(n); ++p)
@@ -105,13 +103,12 @@ void w4a8_split(const cpk::Variant& v, const std::vector<int8_t>& qa, const std:
     const int64_t panels = cpk::panel_count(n), split = panels / 3;
     std::vector<float> sp(s4.size());
     for (int64_t p = 0; p < panels; ++p) cpk::pack_scales_panel(s4.data(), n, groups, p, sp.data());
-    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), sp.data(), groups, n, 0, split, out.data());
-    cpk::w4a8_panels(qa.data(), sa.data(), gs.data(), m, k, pw.data(), sp.data(), groups, n, split, panels,
+    cpk::w4a8_panels(v, qa.data(), sa.data(), gs.data(), m, k, pw.data(), sp.data(), groups, n, 0, split,
+                     out.data());
+    cpk::w4a8_panels(v, qa.data(), sa.data(), gs.data(), m, k, pw.data(), sp.data(), groups, n, split, panels,
                      out.data());
     return;
   }
-#endif
-  (void)w4;
   const int64_t split = n / 3;
   cpk::w4a8_columns(v, qa.data(), sa.data(), gs.data(), m, k, rows.data(), s4.data(), groups, n, 0, split,
                     out.data());

@@ -97,42 +97,46 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const cpk::Variant& v = variant_or_fail(variant);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0);
-  TORCH_CHECK(v.panels ? qweight.size(1) == cpk::quad_k(k) && qweight.scalar_type() == torch::kUInt8
-                       : qweight.size(1) == k && qweight.scalar_type() == torch::kInt8,
+  const bool offset = v.panels == cpk::kVnniPanels;  // uint8 w + 128: one activation sum per row corrects it
+  TORCH_CHECK(qweight.size(1) == (v.panels ? cpk::quad_k(k) : k) &&
+                  qweight.scalar_type() == (offset ? torch::kUInt8 : torch::kInt8),
               "w8a8_linear: the weight must be as pack_int8 gives it for ", variant);
-  Activations& act = scratch(m, k, 1);  // panels: one activation sum per row (the +128 offset)
-  quantize_rows(xc, v.panels ? k : 0, act.q.data(), act.scales.data(), v.panels ? act.sums.data() : nullptr);
+  Activations& act = scratch(m, k, 1);
+  quantize_rows(xc, offset ? k : 0, act.q.data(), act.scales.data(), offset ? act.sums.data() : nullptr);
   auto out = torch::empty({m, n}, torch::kFloat32);
   const int8_t* qa = act.q.data();
   const float* sw = scales.data_ptr<float>();
   const float* sap = act.scales.data();
   const int32_t* asum = act.sums.data();
   float* o = out.data_ptr<float>();
+  const void* w = qweight.data_ptr();
   over_outputs(v, n, [&](int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-    if (v.panels) return cpk::w8a8_panels(qa, sap, asum, m, k, qweight.data_ptr<uint8_t>(), sw, n, begin, end, o);
-#endif
-    cpk::w8a8_columns(v, qa, sap, m, k, qweight.data_ptr<int8_t>(), sw, n, begin, end, o);
+    if (v.panels) return cpk::w8a8_panels(v, qa, sap, asum, m, k, static_cast<const uint8_t*>(w), sw, n, begin, end, o);
+    cpk::w8a8_columns(v, qa, sap, m, k, static_cast<const int8_t*>(w), sw, n, begin, end, o);
   });
   return finish(out, bias, x.scalar_type());
 }
 
-// int8 [N, K] -> the variant's W8A8 weight: the same int8, or uint8 panels [N, quad_k(K)].
+// int8 [N, K] -> the variant's W8A8 weight: the same int8 (rows), int8 panels (AVX2) or uint8 w + 128
+// panels (AVX-512 VNNI), [N, quad_k(K)].
 torch::Tensor pack_int8(torch::Tensor q, std::string variant) {
-  if (!variant_or_fail(variant).panels) return q.contiguous();
+  const cpk::Variant& v = variant_or_fail(variant);
+  if (!v.panels) return q.contiguous();
+  const bool offset = v.panels == cpk::kVnniPanels;
   auto src_t = q.contiguous();
   const int64_t n = q.size(0), k = q.size(1);
-  auto out = torch::empty({n, cpk::quad_k(k)}, torch::kUInt8);
+  auto out = torch::empty({n, cpk::quad_k(k)}, offset ? torch::kUInt8 : torch::kInt8);
   const int8_t* src = src_t.data_ptr<int8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, cpk::panel_count(n), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) cpk::pack_int8_panel(src, n, k, p, dst);
+    for (int64_t p = begin; p < end; ++p) cpk::pack_int8_panel(src, n, k, p, dst, offset);
   });
   return out;
 }
 
 std::string int8_layout(std::string variant) {
-  return variant_or_fail(variant).panels ? "offset_panel" : "signed";
+  const cpk::Variant& v = variant_or_fail(variant);
+  return v.panels == cpk::kVnniPanels ? "offset_panel" : v.panels ? "signed_panel" : "signed";
 }
 
 // x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
@@ -154,9 +158,7 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int32_t* gs = act.sums.data();
   float* o = out.data_ptr<float>();
   over_outputs(v, n, [&](int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-    if (v.panels) return cpk::w4a8_panels(qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
-#endif
+    if (v.panels) return cpk::w4a8_panels(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
     cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
   });
   return finish(out, bias, x.scalar_type());
@@ -239,8 +241,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_decoder_layers(mod);
   mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
-  mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8, or uint8 + 128 panels)");
-  mod.def("int8_layout", &int8_layout, "signed or offset_panel: how the variant stores W8A8 weights");
+  mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8 rows, int8 or uint8 + 128 panels)");
+  mod.def("int8_layout", &int8_layout, "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");
   mod.def("pack_scales", &pack_scales, "W4A8 scales in the variant's order (panel order for panel variants)");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
   mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");

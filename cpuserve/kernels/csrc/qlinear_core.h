@@ -4,7 +4,7 @@
 //
 // Every variant has the scalar "generic" twin. SIMD variants are compiled with function-level
 // target attributes and chosen at run time by name (best_variant() reads the CPU's features):
-//   x86-64:  avx2, avx512_vnni (the latter in the panel layout of qlinear_panels.h, not the rows below)
+//   x86-64:  avx2, avx512_vnni, both in the panel layout of qlinear_panels.h (not the rows below)
 //   aarch64: neon (Armv8.0), neon_dotprod (sdot), neon_i8mm (sdot for GEMV, smmla 2x2 tiles for GEMM)
 // Integer accumulation is exact everywhere. W8A8's float epilogue is shared, so every variant is
 // bit-identical to the twin. For W4A8 the Arm variants reduce each group to one int32 before the same
@@ -56,6 +56,9 @@ using TileU4 = void (*)(const int8_t*, const int8_t*, const uint8_t*, const uint
                         int64_t, int64_t, float*);
 
 enum class Int4Layout { Offset, TwosComplement };
+// Which panel kernels (qlinear_panels.h) a variant runs, if any: AVX2 (signed int8 panels) or AVX-512
+// VNNI (offset int8 panels); both read the same int4 panels.
+enum PanelKind { kNoPanels = 0, kAvx2Panels, kVnniPanels };
 
 struct Variant {
   const char* name;
@@ -65,7 +68,7 @@ struct Variant {
   TileU4 tile_u4;
   bool w4_exact;  // W4A8 bit-identical to the generic twin of its layout
   Int4Layout layout;
-  bool panels = false;  // weights in the panel layout and kernels of qlinear_panels.h instead of the above
+  PanelKind panels = kNoPanels;  // weights in the panel layout and kernels of qlinear_panels.h instead
 };
 
 // ---------------------------------------------------------------- generic (scalar) twins
@@ -112,58 +115,6 @@ inline float row_u4_generic(const int8_t* a, const uint8_t* w, const float* s, i
 inline float row_s4_generic(const int8_t* a, const uint8_t* w, const float* s, int64_t groups, int64_t group) {
   return row_generic<dot_s4_generic>(a, w, s, groups, group);
 }
-
-#if defined(__x86_64__)
-// ---------------------------------------------------------------- x86: AVX2
-__attribute__((target("avx2,fma"))) inline int32_t hsum_i32_avx2(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
-__attribute__((target("avx2,fma"))) inline int32_t dot_i8_avx2(const int8_t* a, const int8_t* w, int64_t k) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 32 <= k; i += 32) {
-    __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
-    __m256i vw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
-    // |w| (unsigned) x (a with w's sign): maddubs cannot saturate because |a| <= 127.
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(va, vw));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-  }
-  int32_t total = hsum_i32_avx2(acc);
-  for (; i < k; ++i) total += int32_t(a[i]) * int32_t(w[i]);
-  return total;
-}
-
-// Per group: integer multiply-adds into one vector, converted and FMA'd with the group scale into a
-// float vector; a single horizontal sum per output.
-__attribute__((target("avx2,fma"))) inline float row_u4_avx2(const int8_t* a, const uint8_t* w, const float* s,
-                                                             int64_t groups, int64_t group) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i low = _mm_set1_epi8(0x0F);
-  __m256 facc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i acc = _mm256_setzero_si256();
-    const uint8_t* wg = w + g * group / 2;
-    const int8_t* ag = a + g * group;
-    for (int64_t b = 0; b < group / 32; ++b) {
-      __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + b * 16));
-      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
-      __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + b * 32));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, va), ones));
-    }
-    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s[g]), facc);
-  }
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(facc), _mm256_extractf128_ps(facc, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-
-#endif  // __x86_64__
 
 #if defined(__aarch64__)
 // ---------------------------------------------------------------- aarch64: NEON (Armv8.0)
@@ -318,9 +269,9 @@ inline std::vector<Variant> compiled_variants() {
   using L = Int4Layout;
   std::vector<Variant> v{{"generic", dot_i8_generic, row_u4_generic, nullptr, nullptr, true, L::Offset}};
 #if defined(__x86_64__)
-  v.push_back({"avx2", dot_i8_avx2, row_u4_avx2, nullptr, nullptr, false, L::Offset});
-  // AVX-512 VNNI runs only the panel layout (qlinear_panels.h): no row kernels.
-  v.push_back({"avx512_vnni", nullptr, nullptr, nullptr, nullptr, false, L::Offset, true});
+  // x86 runs only the panel layout (qlinear_panels.h): no row kernels.
+  v.push_back({"avx2", nullptr, nullptr, nullptr, nullptr, false, L::Offset, kAvx2Panels});
+  v.push_back({"avx512_vnni", nullptr, nullptr, nullptr, nullptr, false, L::Offset, kVnniPanels});
 #endif
 #if defined(__aarch64__)
   v.push_back({"neon", dot_i8_neon, row_s4_neon, nullptr, nullptr, true, L::TwosComplement});
@@ -519,6 +470,32 @@ inline void w4a8_columns(const Variant& v, const int8_t* qa, const float* sa, co
   }
   for (int64_t c = c0; c < c1; ++c)
     for (int64_t rr = r; rr < m; ++rr) put(rr, c, row(rr, c));
+}
+
+// ---------------------------------------------------------------- panel variants
+// W8A8 panels [p0, p1) (pack_int8_panel, offset for VNNI, signed for AVX2) for all M rows of qa, each
+// row readable 4 bytes past its end; asum: per-row activation sums (VNNI's offset correction).
+inline void w8a8_panels(const Variant& v, const int8_t* qa, const float* sa, const int32_t* asum, int64_t m,
+                        int64_t k, const uint8_t* pw, const float* sw, int64_t n, int64_t p0, int64_t p1,
+                        float* out) {
+#if defined(__x86_64__)
+  if (v.panels == kVnniPanels) return w8a8_panels_vnni(qa, sa, asum, m, k, pw, sw, n, p0, p1, out);
+  if (v.panels == kAvx2Panels) return w8a8_panels_avx2(qa, sa, m, k, pw, sw, n, p0, p1, out);
+#endif
+  (void)v, (void)qa, (void)sa, (void)asum, (void)m, (void)k, (void)pw, (void)sw, (void)n, (void)p0, (void)p1;
+  (void)out;
+}
+
+// W4A8 panels [p0, p1) (pack_int4_panel) with scales in panel order (pack_scales_panel).
+inline void w4a8_panels(const Variant& v, const int8_t* qa, const float* sa, const int32_t* gs, int64_t m, int64_t k,
+                        const uint8_t* pw, const float* sp, int64_t groups, int64_t n, int64_t p0, int64_t p1,
+                        float* out) {
+#if defined(__x86_64__)
+  if (v.panels == kVnniPanels) return w4a8_panels_vnni(qa, sa, gs, m, k, pw, sp, groups, n, p0, p1, out);
+  if (v.panels == kAvx2Panels) return w4a8_panels_avx2(qa, sa, gs, m, k, pw, sp, groups, n, p0, p1, out);
+#endif
+  (void)v, (void)qa, (void)sa, (void)gs, (void)m, (void)k, (void)pw, (void)sp, (void)groups, (void)n, (void)p0;
+  (void)p1, (void)out;
 }
 
 // ---------------------------------------------------------------- weight layouts

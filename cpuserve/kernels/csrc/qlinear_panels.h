@@ -1,19 +1,20 @@
-// The panel layout and its AVX-512 VNNI kernels: W8A8 and W4A8 weights of 16 output columns
-// interleaved by 4 inputs, so one 64-byte load is a vpdpbusd operand for 16 columns and each
-// activation row enters as a 4-byte broadcast from memory. A block of R rows x P panels keeps R x P
-// accumulators of 16 columns in registers: no horizontal sums, every weight load shared by R rows and
-// every activation broadcast by 16 columns. One layout serves decode (R = 1: each panel is one
-// contiguous stream) and prefill (R = 3: ~390 GMAC/s of the ~460 peak of 2 Zen 4 cores, against
-// ~170 for the earlier per-column dot-product blocks; docs/kernels.md).
+// The panel layout and its kernels (AVX-512 VNNI, AVX2): W8A8 and W4A8 weights of 16 output columns
+// interleaved by 4 inputs, so one 64-byte load (two 32-byte halves on AVX2) is a dot-product operand
+// for 16 columns and each activation row enters as a 4-byte broadcast. A block of R rows x P panels
+// keeps R x P accumulators of 16 columns in registers: no horizontal sums, every weight load shared by
+// R rows and every activation broadcast by 16 columns. One layout serves decode (R = 1: each panel is
+// one contiguous stream) and prefill (VNNI R = 3: ~390 GMAC/s of the ~460 peak of 2 Zen 4 cores,
+// against ~170 for the earlier per-column dot-product blocks; docs/kernels.md).
 //
 // Panel p holds columns [16p, 16p + w), w = min(16, N - 16p), starting at byte 16p * (bytes per column):
-//   int8 (w + 128 as uint8, K padded to a multiple of 4 with 0): per quad j, 4w bytes; byte 4c + i is
-//     column c, input 4j + i. A padded 0 multiplies whatever follows the activation row by zero.
-//   int4 (offset nibbles w + 8): per 8 inputs j, 4w bytes; byte 4c + i holds column c's input 8j + i
-//     in its low nibble and 8j + 4 + i in its high nibble.
+//   int8 (K padded to a multiple of 4 with 0): per quad j, 4w bytes; byte 4c + i is column c, input
+//     4j + i; stored as w + 128 (uint8, VNNI) or as w (int8, AVX2). A padded 0 multiplies whatever
+//     follows the activation row by zero.
+//   int4 (offset nibbles w + 8, both ISAs): per 8 inputs j, 4w bytes; byte 4c + i holds column c's
+//     input 8j + i in its low nibble and 8j + 4 + i in its high nibble.
 // vpdpbusd multiplies the unsigned weight by the signed activation; the offsets come back as
 // -128 * sum(a) (W8A8) or -8 * sum(a over the group) (W4A8) in every accumulator lane at the start.
-// W8A8 integer sums are exact and its float epilogue is the twin's, so it is bit-identical to it;
+// Integer sums are exact and W8A8's float epilogue is the twin's, so W8A8 is bit-identical to it;
 // W4A8 folds each group's int32 sum into fp32 lanes (equal to the twin within float rounding).
 #pragma once
 
@@ -47,15 +48,17 @@ inline void pack_int4_panel(int64_t n, int64_t k, int64_t p, uint8_t* dst, const
         out[j * 4 * w + c * 4 + i] = uint8_t(nibble(c0 + c, 8 * j + i) | (nibble(c0 + c, 8 * j + 4 + i) << 4));
 }
 
-// Panel p of an int8 weight src [N, K] into dst (the whole [N, quad_k(K)] buffer).
-inline void pack_int8_panel(const int8_t* src, int64_t n, int64_t k, int64_t p, uint8_t* dst) {
+// Panel p of an int8 weight src [N, K] into dst (the whole [N, quad_k(K)] buffer): offset (w + 128,
+// for vpdpbusd's unsigned operand) or signed (w itself, for AVX2's sign trick); padding is 0 either way.
+inline void pack_int8_panel(const int8_t* src, int64_t n, int64_t k, int64_t p, uint8_t* dst, bool offset) {
   const int64_t w = panel_width(n, p), c0 = p * kPanel, kq = quad_k(k);
+  const uint8_t flip = offset ? 0x80 : 0;
   uint8_t* out = dst + c0 * kq;
   for (int64_t j = 0; j < kq / 4; ++j)
     for (int64_t c = 0; c < w; ++c)
       for (int64_t i = 0; i < 4; ++i) {
         const int64_t kk = 4 * j + i;
-        out[j * 4 * w + c * 4 + i] = kk < k ? uint8_t(uint8_t(src[(c0 + c) * k + kk]) ^ 0x80) : uint8_t(0);
+        out[j * 4 * w + c * 4 + i] = kk < k ? uint8_t(uint8_t(src[(c0 + c) * k + kk]) ^ flip) : uint8_t(0);
       }
 }
 
@@ -180,29 +183,39 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
   }
 }
 
-// Rows [r0, r1) of one run in blocks of 3 rows (then 2 or 1): block.template go<R, P>(r).
-template <int R, typename Block>
-__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void panel_block(const Block& block, int64_t np,
-                                                                               int64_t r) {
-  switch (np) {
-    case 4: block.template go<R, 4>(r); break;
-    case 3: block.template go<R, 3>(r); break;
-    case 2: block.template go<R, 2>(r); break;
-    default: block.template go<R, 1>(r); break;
+// One block of R rows and the run's np panels (np <= P): block.template go<R, np>(r). Generic and
+// always inlined, so the ISA-specific blocks inline into each ISA's driver below.
+template <int R, int P, typename Block>
+__attribute__((always_inline)) inline void panel_block(const Block& block, int64_t np, int64_t r) {
+  if constexpr (P > 1) {
+    if (np < P) return panel_block<R, P - 1>(block, np, r);
   }
+  block.template go<R, P>(r);
 }
 
-template <typename Block>
-__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void panel_rows(const Block& block, int64_t np,
-                                                                              int64_t r0, int64_t r1) {
+// Rows [r0, r1) of one run in blocks of R rows, the rest in smaller blocks.
+template <int R, int P, typename Block>
+__attribute__((always_inline)) inline void panel_rows(const Block& block, int64_t np, int64_t r0, int64_t r1) {
   int64_t r = r0;
-  for (; r + 3 <= r1; r += 3) panel_block<3>(block, np, r);
-  if (r1 - r == 2) panel_block<2>(block, np, r);
-  if (r1 - r == 1) panel_block<1>(block, np, r);
+  for (; r + R <= r1; r += R) panel_block<R, P>(block, np, r);
+  if constexpr (R > 1) {
+    if (r < r1) panel_rows<R - 1, P>(block, np, r, r1);
+  }
 }
 
 // Rows per pass over a thread's panels: the activations of a pass stay in L2 while the panels stream.
 constexpr int64_t kPanelRows = 192;
+
+// Every run of up to P panels of [p0, p1) in blocks of up to R rows, rows in passes of kPanelRows;
+// make(p, np) gives the run's block.
+template <int R, int P, typename Make>
+__attribute__((always_inline)) inline void for_each_run(int64_t m, int64_t p0, int64_t p1, const Make& make) {
+  for (int64_t r0 = 0; r0 < m; r0 += kPanelRows)
+    for (int64_t p = p0; p < p1; p += P) {
+      const int64_t np = std::min<int64_t>(P, p1 - p);
+      panel_rows<R, P>(make(p, np), np, r0, std::min(m, r0 + kPanelRows));
+    }
+}
 
 struct U8Panels {
   PanelRun run;
@@ -217,18 +230,15 @@ struct U8Panels {
   }
 };
 
-// W8A8 panels [p0, p1) of pw (pack_int8_panel) for all M rows of qa (each row readable 4 bytes past
-// its end): out [M, N] fp32.
-__attribute__((target(CPK_VNNI_TARGET))) inline void w8a8_panels(const int8_t* qa, const float* sa,
-                                                                 const int32_t* asum, int64_t m, int64_t k,
-                                                                 const uint8_t* pw, const float* sw, int64_t n,
-                                                                 int64_t p0, int64_t p1, float* out) {
-  for (int64_t r0 = 0; r0 < m; r0 += kPanelRows)
-    for (int64_t p = p0; p < p1; p += 4) {
-      const int64_t np = std::min<int64_t>(4, p1 - p);
-      const U8Panels block{panel_run(pw, quad_k(k), n, p, np), qa, asum, sw, sa, k, n, out};
-      panel_rows(block, np, r0, std::min(m, r0 + kPanelRows));
-    }
+// W8A8 panels [p0, p1) of pw (pack_int8_panel, offset) for all M rows of qa (each row readable 4
+// bytes past its end): out [M, N] fp32.
+__attribute__((target(CPK_VNNI_TARGET))) inline void w8a8_panels_vnni(const int8_t* qa, const float* sa,
+                                                                      const int32_t* asum, int64_t m, int64_t k,
+                                                                      const uint8_t* pw, const float* sw, int64_t n,
+                                                                      int64_t p0, int64_t p1, float* out) {
+  for_each_run<3, 4>(m, p0, p1, [&](int64_t p, int64_t np) {
+    return U8Panels{panel_run(pw, quad_k(k), n, p, np), qa, asum, sw, sa, k, n, out};
+  });
 }
 
 struct U4Panels {
@@ -247,16 +257,172 @@ struct U4Panels {
 
 // W4A8 panels [p0, p1) of pw (pack_int4_panel) with scales sp [N, groups] in panel order
 // (pack_scales_panel), for all M rows: out [M, N].
-__attribute__((target(CPK_VNNI_TARGET))) inline void w4a8_panels(const int8_t* qa, const float* sa, const int32_t* gs,
-                                                                 int64_t m, int64_t k, const uint8_t* pw,
-                                                                 const float* sp, int64_t groups, int64_t n,
-                                                                 int64_t p0, int64_t p1, float* out) {
-  for (int64_t r0 = 0; r0 < m; r0 += kPanelRows)
-    for (int64_t p = p0; p < p1; p += 4) {
-      const int64_t np = std::min<int64_t>(4, p1 - p);
-      const U4Panels block{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out};
-      panel_rows(block, np, r0, std::min(m, r0 + kPanelRows));
+__attribute__((target(CPK_VNNI_TARGET))) inline void w4a8_panels_vnni(const int8_t* qa, const float* sa,
+                                                                      const int32_t* gs, int64_t m, int64_t k,
+                                                                      const uint8_t* pw, const float* sp,
+                                                                      int64_t groups, int64_t n, int64_t p0,
+                                                                      int64_t p1, float* out) {
+  for_each_run<3, 4>(m, p0, p1, [&](int64_t p, int64_t np) {
+    return U4Panels{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out};
+  });
+}
+
+// ---------------------------------------------------------------- AVX2 (+FMA)
+// The same panels as two 8-column halves, one ymm each. W8A8 weights signed (pack_int8_panel with
+// offset false): vpmaddubsw multiplies |w| (unsigned, <= 128) by a with w's sign (vpsignb), so a pair
+// sums to at most 2 * 128 * 127 < 2^15: no saturation; vpmaddwd by ones widens to int32. W4A8 uses the
+// VNNI panels' bytes as they are (offset nibbles <= 15: pairs <= 3810, the two nibble halves' sum
+// <= 7620). Exact integers, the same epilogues: W8A8 bit-identical to the twin.
+#define CPK_AVX2_TARGET "avx2,fma"
+
+__attribute__((target(CPK_AVX2_TARGET))) inline __m256i lanes_below(int64_t live) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(live)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Half h (columns 8h .. 8h + 7) of panel i's step j; lanes past the panel's width read as zero.
+__attribute__((target(CPK_AVX2_TARGET))) inline __m256i load_half(const PanelRun& run, int i, int h, int64_t j) {
+  const uint8_t* p = run.base[i] + j * run.step[i] + 32 * h;
+  if (run.width[i] == kPanel) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes_below(run.width[i] - 8 * h));
+}
+
+// vbroadcastss from memory: a load-port operation (set1 of a loaded int went through a general
+// register, movd and vpbroadcastd: three ALU operations per broadcast, the inner loop's bottleneck).
+__attribute__((target(CPK_AVX2_TARGET))) inline __m256i broadcast4_avx2(const int8_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
+// Stores (or masked stores) 8 results of half h of panel i.
+__attribute__((target(CPK_AVX2_TARGET))) inline void store_half(const PanelRun& run, int i, int h, float* out,
+                                                                 __m256 v) {
+  if (run.width[i] == kPanel)
+    _mm256_storeu_ps(out, v);
+  else
+    _mm256_maskstore_ps(out, lanes_below(run.width[i] - 8 * h), v);
+}
+
+template <int R, int P>
+__attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block_avx2(const PanelRun& run, const int8_t* qa,
+                                                                         int64_t k, const float* sw, const float* sa,
+                                                                         float* out, int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
+  const int64_t quads = quad_k(k) / 4;
+  for (int64_t j = 0; j < quads; ++j)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = load_half(run, i, h, j);
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i signed_a = _mm256_sign_epi8(broadcast4_avx2(qa + r * k + 4 * j), w);
+          acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
+        }
+      }
+  for (int i = 0; i < P; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_maskload_ps(sw + i * kPanel + 8 * h, lanes_below(run.width[i] - 8 * h));
+      for (int r = 0; r < R; ++r)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s), _mm256_set1_ps(sa[r])));
     }
+}
+
+template <int R, int P>
+__attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block_avx2(const PanelRun& run, const int8_t* qa,
+                                                                         const int32_t* gs, int64_t k, int64_t groups,
+                                                                         const float* sp, const float* sa, float* out,
+                                                                         int64_t n) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t steps = k / groups / 8;
+  // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
+  // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
+  alignas(32) float facc[R][P][2][8] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][P][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-8 * gs[r * groups + g]);
+    for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
+      for (int i = 0; i < P; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load_half(run, i, h, j);
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4_avx2(qa + r * k + 8 * j)),
+                                                   _mm256_maddubs_epi16(hi, broadcast4_avx2(qa + r * k + 8 * j + 4)));
+            acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_maskload_ps(sp + i * kPanel * groups + g * run.width[i] + 8 * h,
+                                            lanes_below(run.width[i] - 8 * h));
+        for (int r = 0; r < R; ++r)
+          _mm256_store_ps(facc[r][i][h],
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+}
+
+struct S8PanelsAvx2 {
+  PanelRun run;
+  const int8_t* qa;
+  const float *sw, *sa;
+  int64_t k, n;
+  float* out;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
+    s8_panel_block_avx2<R, P>(run, qa + r * k, k, sw + run.c0, sa + r, out + r * n + run.c0, n);
+  }
+};
+
+struct U4PanelsAvx2 {
+  PanelRun run;
+  const int8_t* qa;
+  const int32_t* gs;
+  const float *sp, *sa;
+  int64_t k, groups, n;
+  float* out;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
+    u4_panel_block_avx2<R, P>(run, qa + r * k, gs + r * groups, k, groups, sp + run.c0 * groups, sa + r,
+                              out + r * n + run.c0, n);
+  }
+};
+
+// As w8a8_panels_vnni, signed panels.
+__attribute__((target(CPK_AVX2_TARGET))) inline void w8a8_panels_avx2(const int8_t* qa, const float* sa, int64_t m,
+                                                                      int64_t k, const uint8_t* pw, const float* sw,
+                                                                      int64_t n, int64_t p0, int64_t p1, float* out) {
+  auto make = [&](int64_t p, int64_t np) {
+    return S8PanelsAvx2{panel_run(pw, quad_k(k), n, p, np), qa, sw, sa, k, n, out};
+  };
+  if (m == 1)
+    for_each_run<1, 2>(m, p0, p1, make);  // decode: two panels' streams interleaved
+  else
+    for_each_run<2, 1>(m, p0, p1, make);
+}
+
+// As w4a8_panels_vnni.
+__attribute__((target(CPK_AVX2_TARGET))) inline void w4a8_panels_avx2(const int8_t* qa, const float* sa,
+                                                                      const int32_t* gs, int64_t m, int64_t k,
+                                                                      const uint8_t* pw, const float* sp,
+                                                                      int64_t groups, int64_t n, int64_t p0,
+                                                                      int64_t p1, float* out) {
+  auto make = [&](int64_t p, int64_t np) {
+    return U4PanelsAvx2{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out};
+  };
+  if (m == 1)
+    for_each_run<1, 2>(m, p0, p1, make);
+  else
+    for_each_run<2, 1>(m, p0, p1, make);
 }
 #endif  // __x86_64__
 
