@@ -1,5 +1,5 @@
 """The opt-in quantized output head (--quantize-lm-head): what it changes, bounded against the
-unquantized head on real SmolLM2 weights and real text (measured: int8 KL 0.007, top-1 95%, NLL
+unquantized head on real SmolLM2 weights and real text (measured: int8 (absmax scales) KL 0.007, top-1 94%, NLL
 -0.1%; int4 KL 0.17, top-1 75%, NLL +4.2%)."""
 
 from __future__ import annotations
