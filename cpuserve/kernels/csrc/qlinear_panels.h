@@ -82,13 +82,11 @@ struct PanelRun {
   int64_t width[4];
   __mmask16 store_last;
   int64_t c0;  // first column
-  int64_t np;  // panels in this run
 };
 
 inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n, int64_t p, int64_t np) {
   PanelRun run{};
   run.c0 = p * kPanel;
-  run.np = np;
   for (int64_t i = 0; i < np; ++i) {
     const int64_t w = panel_width(n, p + i);
     run.base[i] = pw + (p + i) * kPanel * bytes_per_column;
@@ -99,8 +97,6 @@ inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n
   }
   return run;
 }
-
-
 
 __attribute__((target(CPK_VNNI_TARGET))) inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
