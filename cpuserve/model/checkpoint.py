@@ -1,4 +1,9 @@
-"""Reading tensors from an HF checkpoint directory: safetensors only, single or sharded, mmapped.
+"""Reading tensors from an HF checkpoint directory: safetensors only, single or sharded.
+
+Each tensor is read into memory of its own (positioned reads at the offsets the header gives), not
+returned as a view of an mmapped file: one live view keeps a whole shard mapped, with every page
+that loading touched still resident (2.4 GB of RSS after loading the 2B W8A8 shape, on top of the
+repacked weights).
 
 Pickled formats (`*.bin`, `*.pt`) are refused: loading them can run arbitrary code.
 """
@@ -19,6 +24,31 @@ from safetensors.torch import save_file
 from cpuserve.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype names read here directly; any other goes through safetensors itself.
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (first byte, end) in the file, from the header safe_open has already checked."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {
+        k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
 
 
 class SafetensorsCheckpoint:
@@ -30,6 +60,7 @@ class SafetensorsCheckpoint:
         self._stack = ExitStack()
         self._handles = {}
         self._where: dict[str, Path] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}
         for path in self._files:
             try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
@@ -37,6 +68,7 @@ class SafetensorsCheckpoint:
                 self.close()
                 raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
             self._handles[path] = handle
+            self._offsets.update(_data_offsets(path))
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 self._where[name] = path
 
@@ -85,8 +117,18 @@ class SafetensorsCheckpoint:
         path = self._where.get(name)
         if path is None:
             raise CheckpointError(f"{self.model_dir}: tensor '{name}' is missing from the checkpoint")
+        dtype = _DTYPES.get(self.stored_dtype(name))
         try:
-            return self._handles[path].get_tensor(name)
+            if dtype is None:
+                return self._handles[path].get_tensor(name).clone()
+            begin, end = self._offsets[name]
+            data = torch.empty(end - begin, dtype=torch.uint8)
+            with open(path, "rb", buffering=0) as f:
+                f.seek(begin)
+                got = f.readinto(memoryview(data.numpy()))
+            if got != end - begin:
+                raise OSError(f"the file ends {end - begin - got} bytes early")
+            return data.view(dtype).view(self.shape(name))
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({exc})") from None
 

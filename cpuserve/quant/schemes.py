@@ -218,10 +218,10 @@ def expected_tensors(prefix: str, quant: WeightQuant, n: int, k: int) -> dict[st
 
 
 def _native_for_load(quant: WeightQuant, k: int):  # type: ignore[no-untyped-def]
-    """(kernel module, variant) when int4 weights will run natively (so they can be repacked
-    directly into that variant's layout), else None."""
+    """(kernel module, variant) when the weights will run natively (so they can be repacked into
+    that variant's layout as they are read), else None."""
     group = quant.group_size or k
-    if quant.bits != 4 or k % 32 or group % 32:
+    if k % 32 or group % 32:
         return None
     from cpuserve.kernels import native, selected_variant
 
@@ -285,3 +285,6 @@ def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # typ
             )
     module.qweight = q.contiguous()
     module.scales = scale.contiguous()
+    native = _native_for_load(quant, k)
+    if native is not None:  # repacked now: one int8 copy at a time, not every layer's at the end
+        module.use_native(*native)
