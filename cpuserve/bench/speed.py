@@ -35,7 +35,9 @@ def read_bandwidth_gbs(threads: int, size_gib: float = 2.0, repeats: int = 5) ->
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, **(env or {})})
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if out.returncode != 0:  # say why (a worker refuses to measure the wrong engine, for one)
+        raise RuntimeError(f"{' '.join(cmd[:3])} failed ({out.returncode}): {out.stderr.strip()[-800:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

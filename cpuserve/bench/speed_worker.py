@@ -20,6 +20,11 @@ def main() -> None:
 
     model = load_model(model_dir, "auto")
     load_s = time.perf_counter() - start
+    from cpuserve.quant.schemes import QuantLinear
+
+    reference = [m for m in model.modules() if isinstance(m, QuantLinear) and m.native is None]
+    if reference:  # e.g. kernels edited (new build key) and not rebuilt: a number of the wrong engine
+        sys.exit(f"speed_worker: {len(reference)} quantized linears are not on the native kernels; ./run setup")
     ids = torch.arange(100, 100 + prompt_tokens).unsqueeze(0)
     result = {"load_s": load_s}
     for n in (128, prompt_tokens):
