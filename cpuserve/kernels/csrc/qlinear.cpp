@@ -90,8 +90,8 @@ torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias
 
 }  // namespace
 
-// x [M, K] (fp32 or bf16), weight as pack_int8 left it for the variant (int8 [N, K], or uint8
-// panels [N, quad_k(K)]), scales fp32 [N]: out [M, N] in x's dtype.
+// x [M, K] (fp32 or bf16), weight as pack_int8 left it for the variant (int8 rows [N, K]; int8 or
+// uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N]: out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, std::string variant) {
   const cpk::Variant& v = variant_or_fail(variant);
