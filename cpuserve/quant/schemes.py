@@ -119,6 +119,8 @@ class QuantLinear(nn.Module):
         group = self.quant.group_size or self.in_features
         if self.in_features % 32 or group % 32:
             return False
+        if self.native is kernels and self.variant == variant:  # repacked as it was loaded
+            return True
         bits4 = self.quant.bits == 4
         layout = kernels.int4_layout(variant) if bits4 else kernels.int8_layout(variant)
         pack = kernels.pack_int4 if bits4 else kernels.pack_int8

@@ -237,13 +237,17 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void w8a8_panels_vnni(const int8
   });
 }
 
-struct U4Panels {
+// What a W4A8 block reads and writes, whichever ISA's block kernel runs it.
+struct U4Operands {
   PanelRun run;
   const int8_t* qa;
   const int32_t* gs;
   const float *sp, *sa;
   int64_t k, groups, n;
   float* out;
+};
+
+struct U4Panels : U4Operands {
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
     u4_panel_block<R, P>(run, qa + r * k, gs + r * groups, k, groups, sp + run.c0 * groups, sa + r,
@@ -259,7 +263,7 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void w4a8_panels_vnni(const int8
                                                                       int64_t groups, int64_t n, int64_t p0,
                                                                       int64_t p1, float* out) {
   for_each_run<3, 4>(m, p0, p1, [&](int64_t p, int64_t np) {
-    return U4Panels{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out};
+    return U4Panels{{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out}};
   });
 }
 
@@ -379,13 +383,7 @@ struct S8PanelsAvx2 {
   }
 };
 
-struct U4PanelsAvx2 {
-  PanelRun run;
-  const int8_t* qa;
-  const int32_t* gs;
-  const float *sp, *sa;
-  int64_t k, groups, n;
-  float* out;
+struct U4PanelsAvx2 : U4Operands {
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
     u4_panel_block_avx2<R, P>(run, qa + r * k, gs + r * groups, k, groups, sp + run.c0 * groups, sa + r,
@@ -413,7 +411,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void w4a8_panels_avx2(const int8
                                                                       int64_t groups, int64_t n, int64_t p0,
                                                                       int64_t p1, float* out) {
   auto make = [&](int64_t p, int64_t np) {
-    return U4PanelsAvx2{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out};
+    return U4PanelsAvx2{{panel_run(pw, k / 2, n, p, np), qa, gs, sp, sa, k, groups, n, out}};
   };
   if (m == 1)
     for_each_run<1, 2>(m, p0, p1, make);
