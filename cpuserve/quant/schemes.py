@@ -275,6 +275,7 @@ def load_quantized(module: QuantLinear, prefix: str, get, where) -> None:  # typ
             module.packed_layout = kernels.int4_layout(variant)
             module.qweight = None
             module.scales = scale.contiguous()
+            module.use_native(kernels, variant)  # finds the layout in place: the rest of the switch only
             return
         q = unpack_int(words, quant.bits, k)
     else:
