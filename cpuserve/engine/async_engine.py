@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from cpuserve.engine.llm_engine import LLMEngine
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,25 @@ class AsyncEngine:
         with self._cond:
             self._cancel_all = reason
             self._cond.notify()
+
+    # ---- what the server may know of the engine (it never reaches inside) ------------------------
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        """The model's tokenizer (thread-safe for encode/decode; the server calls it off the event loop)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (read without a lock: each number is a plain read)."""
+        return self.engine.stats_snapshot()
 
     @property
     def num_requests(self) -> int:

@@ -19,6 +19,7 @@ from cpuserve.engine.sampler import sample, token_logprobs
 from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.engine.scheduler import Scheduler
 from cpuserve.engine.sequence import Sequence
+from cpuserve.engine.stats import EngineStats
 from cpuserve.engine.text import SequenceText
 from cpuserve.errors import ConfigError
 from cpuserve.model.decoder import CausalLM
@@ -305,6 +306,19 @@ class LLMEngine:
             )
         model = load_model(model_dir, dtype)
         return cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+
+    def stats_snapshot(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.blocks.usage,
+            prefix_queries=self.blocks.prefix_queries,
+            prefix_hits=self.blocks.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            steps=self.stats["steps"],
+            prompt_tokens=self.stats["prompt_tokens"],
+            generation_tokens=self.stats["generation_tokens"],
+        )
 
     @property
     def num_running(self) -> int:
