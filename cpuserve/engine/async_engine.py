@@ -1,8 +1,11 @@
-"""The engine on its own thread, driven from asyncio: the event loop never waits for a forward pass.
+"""The engine core on its own thread, driven from asyncio: the event loop never waits for a
+forward pass, and the engine thread never waits for a tokenizer.
 
-Requests and aborts are handed to the engine thread, which applies them between steps; outputs
-come back to each request's asyncio queue. A request whose consumer goes away (a client that
-disconnects, a cancelled task) is aborted and its KV blocks freed before the next step.
+`generate` tokenizes and validates on a worker thread (input processor), hands the request to the
+engine thread, which applies adds, aborts and stop-string finishes between steps, and turns each
+engine-core output into text on the event loop (output processor). A request whose consumer goes
+away (a client that disconnects, a cancelled task) is aborted and its KV blocks freed before the
+next step.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from cpuserve.engine.llm_engine import LLMEngine
+from cpuserve.engine.output_processor import RequestState
 from cpuserve.engine.outputs import RequestOutput
-from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine.requests import EngineCoreOutput, EngineCoreRequest
+from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -36,9 +41,7 @@ class RequestCancelled(RuntimeError):
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    request: EngineCoreRequest
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: concurrent.futures.Future
@@ -52,6 +55,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._stops: list[tuple[str, int, str]] = []  # (request id, sequence index, stop string)
         self._cancel_all: str | None = None
         self._streams: dict[str, _Add] = {}
         self._stopping = False
@@ -69,7 +73,13 @@ class AsyncEngine:
         """Yield the request's outputs as they change; InvalidRequest is raised before the first."""
         if not self.alive:
             raise EngineDeadError("the engine is not running") from self.error
-        add = _Add(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue(), concurrent.futures.Future())
+        loop = asyncio.get_running_loop()
+        if isinstance(prompt, str):  # tokenizing may take milliseconds: not on the event loop
+            request = await loop.run_in_executor(None, self.engine.inputs.process, request_id, prompt, params)
+        else:
+            request = self.engine.inputs.process(request_id, prompt, params)
+        add = _Add(request, loop, asyncio.Queue(), concurrent.futures.Future())
+        state = RequestState(self.engine.tokenizer, request)
         with self._cond:
             self._adds.append(add)
             self._cond.notify()
@@ -83,13 +93,35 @@ class AsyncEngine:
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine stopped") from item
-                finished = item.finished
-                yield item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailed(item.error)
+                out = self._process(state, item)
+                if out is None:
+                    continue
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _process(self, state: RequestState, item: EngineCoreOutput) -> RequestOutput | None:
+        """Text for one engine-core output; stop strings found are sent to the engine thread. A
+        fault here fails this request alone (RequestFailed; the engine aborts it)."""
+        request_id = state.request.request_id
+        try:
+            out, stops = state.process(item)
+        except Exception as exc:
+            log.error("request %s failed (the others go on)", request_id, exc_info=exc)
+            self.abort(request_id)
+            raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
+        if stops:
+            with self._cond:
+                self._stops.extend((request_id, index, stop) for index, stop in stops)
+                self._cond.notify()
+        return out
 
     def abort(self, request_id: str) -> None:
         """Abort before the next step (idempotent; unknown or finished ids are ignored)."""
@@ -133,11 +165,11 @@ class AsyncEngine:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, add: _Add, item: EngineCoreOutput | BaseException) -> None:
         add.loop.call_soon_threadsafe(add.queue.put_nowait, item)
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self.engine.core
         while True:
             with self._cond:
                 while not (self._adds or self._aborts or self._stopping or self._cancel_all or engine.has_unfinished()):
@@ -146,15 +178,24 @@ class AsyncEngine:
                     return
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                stops, self._stops = self._stops, []
                 cancel, self._cancel_all = self._cancel_all, None
             for add in adds:
+                request_id = add.request.request_id
+                if request_id in self._streams:
+                    add.accepted.set_exception(InvalidRequest("request_id", f"{request_id!r} is already running"))
+                    continue
                 try:
-                    engine.add_request(add.request_id, add.prompt, add.params)
+                    engine.add_request(add.request)
                 except Exception as exc:  # rejected: the caller gets the error, nothing is queued
                     add.accepted.set_exception(exc)
                     continue
-                self._streams[add.request_id] = add
+                self._streams[request_id] = add
                 add.accepted.set_result(None)
+            for request_id, index, stop in stops:
+                engine.finish_by_stop_string(request_id, index, stop)
+                if not engine.has_request(request_id):
+                    self._streams.pop(request_id, None)
             for request_id in aborts:
                 if engine.abort(request_id):
                     log.debug("aborted %s", request_id)
@@ -179,6 +220,6 @@ class AsyncEngine:
             for out in outputs:
                 add = self._streams.get(out.request_id)
                 if add is not None:
-                    self._deliver(add, RequestFailed(out.error) if out.error else out)
-                    if out.finished:
+                    self._deliver(add, out)
+                    if not engine.has_request(out.request_id):  # finished, or failed alone
                         del self._streams[out.request_id]

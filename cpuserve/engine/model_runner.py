@@ -1,4 +1,6 @@
-"""Turns a scheduled batch into one flat forward pass and returns the logits the step needs."""
+"""Turns a scheduled batch into one flat forward pass, then samples it: ScheduledBatch in,
+StepOutput (drawn tokens, prompt logprobs) out. The runner owns the tensors (KV cache, logits);
+the scheduler owns the sequences' state and is told what came out."""
 
 from __future__ import annotations
 
@@ -7,23 +9,27 @@ from dataclasses import dataclass
 import torch
 
 from cpuserve.engine.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
-from cpuserve.engine.scheduler import ScheduledBatch
+from cpuserve.engine.sampler import sample, token_logprobs
+from cpuserve.engine.scheduler import Sampled, ScheduledBatch, StepOutput
 from cpuserve.model.decoder import CausalLM
 
 
 @dataclass
 class StepLogits:
-    """fp32 logits: one row per sampling sequence, and per-position rows for prompt logprobs."""
+    """fp32 logits: the sampled rows of every item that samples, and per-position rows for prompt logprobs."""
 
-    sample_logits: torch.Tensor | None  # [len(samplers), V]
-    samplers: list[int]  # indices into batch.items of sequences that sample this step
+    sample_logits: torch.Tensor | None  # [sum of num_sampled, V], items in batch order
+    samplers: list[int]  # one entry per row of sample_logits: its index into batch.items
     prompt_logits: dict[int, torch.Tensor]  # batch index -> [n, V] for the chunk's positions
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, eos_ids: frozenset[int] = frozenset()
+    ) -> None:
         spec = model.spec
         self.model = model
+        self.eos_ids = set(eos_ids)
         self.cache = PagedKVCache(
             spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, model.dtype
         )
@@ -64,15 +70,44 @@ class ModelRunner:
         return torch.tensor(ids), torch.cat(positions), meta
 
     @torch.inference_mode()
+    def execute_model(self, batch: ScheduledBatch) -> StepOutput:
+        """The forward pass, then one draw per sampled row and the prompt logprobs asked for. A
+        fault in one item's sampling or logprobs is that item's (in the output); a fault in the
+        forward pass is the batch's and propagates."""
+        logits = self.execute(batch)
+        out = StepOutput()
+        for i, rows in logits.prompt_logits.items():
+            seq = batch.items[i][0]
+            try:
+                out.prompt_logprobs[i] = (seq.num_computed + 1, self._prompt_logprobs(seq, rows))
+            except Exception as exc:
+                out.errors[i] = exc
+        if logits.samplers:
+            seqs = [batch.items[i][0] for i in logits.samplers]
+            draws = sample(logits.sample_logits, seqs, self.eos_ids)
+            for i, drawn in zip(logits.samplers, draws, strict=True):
+                out.sampled.setdefault(i, []).append(drawn if isinstance(drawn, Exception) else Sampled(*drawn))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(seq, rows: torch.Tensor) -> list:  # type: ignore[no-untyped-def]
+        """Entries for prompt positions num_computed + 1 ... (position p predicts prompt token p)."""
+        logprobs = torch.log_softmax(rows, dim=-1)
+        k = seq.params.prompt_logprobs or 0
+        return [token_logprobs(logprobs[r], seq.prompt_ids[seq.num_computed + r + 1], k) for r in range(rows.shape[0])]
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
+        """The forward pass and the logits the step needs (no sampling)."""
         input_ids, positions, meta = self._metadata(batch)
         hidden = self.model.forward_tokens(input_ids, positions, PagedAttention(self.cache, meta, self.gqa))
         samplers, rows, prompt_logits = [], [], {}
+        num_sampled = batch.num_sampled or [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
         row = 0
         for i, (seq, n) in enumerate(batch.items):
-            if seq.num_computed + n == seq.num_tokens:
-                samplers.append(i)
-                rows.append(row + n - 1)
+            k = min(num_sampled[i], n)
+            samplers.extend([i] * k)
+            rows.extend(range(row + n - k, row + n))
             if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_computed < len(seq.prompt_ids):
                 # Position p predicts prompt token p + 1; the last prompt position predicts the first output.
                 last = min(seq.num_computed + n, len(seq.prompt_ids) - 1)

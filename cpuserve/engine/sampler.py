@@ -1,6 +1,10 @@
 """Next-token choice per sequence: penalties, bias, temperature, top-k/p, min-p, seeded draws,
 and logprobs.
 
+A row may carry a mask of the tokens it may draw (`Sequence.allowed`: allowed_token_ids today,
+grammars later); it is applied after every other rule, so no bias can bring a masked token back,
+and rows without one pay nothing.
+
 Logprobs are those of the model's own distribution (log_softmax of the raw logits, before any
 penalty or temperature), as vLLM reports them by default. Each sequence draws from its own
 generator, so a seeded request gives the same tokens whatever else is in the batch.
@@ -28,6 +32,15 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
 
 
 def processed_logits(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
+    x = _penalised(raw, seq, stop_ids)
+    if seq.allowed is not None:
+        x = x.masked_fill(~seq.allowed, float("-inf"))
+        if not torch.isfinite(x).any():
+            raise ValueError("allowed_token_ids leave no token to draw here (min_tokens holds back the stop tokens)")
+    return x
+
+
+def _penalised(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
     p = seq.params
     needs = (
         p.logit_bias

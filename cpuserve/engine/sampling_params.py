@@ -40,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen one always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None  # only these may be drawn (vLLM's name): a per-row logits mask
 
     @property
     def greedy(self) -> bool:
@@ -81,5 +82,11 @@ class SamplingParams:
         for token in self.stop_token_ids:
             if not 0 <= token < vocab_size:
                 raise InvalidRequest("stop_token_ids", f"token id {token} is outside the vocabulary")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequest("allowed_token_ids", "must not be empty")
+            bad = next((t for t in self.allowed_token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest("allowed_token_ids", f"token id {bad} is outside the vocabulary")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")

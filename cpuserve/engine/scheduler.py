@@ -1,10 +1,17 @@
-"""Continuous batching: which sequences run this step, and how many tokens of each.
+"""Continuous batching: which sequences run this step, how many tokens of each, and what the step's
+results do to them.
 
-Never touches tensors. Each step: running decodes first (one token each, so a long prompt never
-stalls a stream), then running chunked prefills, then waiting sequences first-come first-served,
-all under the token budget and max_num_seqs. When KV blocks run out, the most recently admitted
-sequence is preempted: its blocks are freed and it is recomputed later from its tokens, which
-changes nothing in its output.
+The scheduler owns every sequence's state: `schedule()` says what to run (a ScheduledBatch);
+`update_from_output()` takes what came out (sampled tokens) and advances the sequences: tokens
+computed, full blocks registered in the prefix cache, tokens appended, and the stops it can decide
+from token ids alone (EOS, stop token ids, max_tokens, max_model_len). Stop strings need text and
+are decided by the output processor, outside the engine core. Never touches tensors.
+
+Each step: running decodes first (one token each, so a long prompt never stalls a stream), then
+running chunked prefills, then waiting sequences first-come first-served, all under the token
+budget and max_num_seqs. When KV blocks run out, the most recently admitted sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens, which changes nothing
+in its output.
 """
 
 from __future__ import annotations
@@ -13,15 +20,18 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cpuserve.engine.block_manager import BlockManager
-from cpuserve.engine.sequence import Sequence, Status
+from cpuserve.engine.sequence import Sequence, Status, TokenLogprobs
 
 
 @dataclass
 class ScheduledBatch:
-    """This step's work: (sequence, number of tokens to compute), in batch order."""
+    """This step's work: (sequence, number of tokens to compute), in batch order, and how many of
+    each item's last positions are sampled (0: a prefill chunk that does not reach the end; 1: the
+    next token; more: a runner that verifies several tokens at once, as speculative decoding will)."""
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_sampled: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -31,11 +41,54 @@ class ScheduledBatch:
         return bool(self.items)
 
 
+@dataclass
+class Sampled:
+    """One drawn token and, when the request asked for them, its logprobs."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class StepOutput:
+    """What a step computed, by batch index: drawn tokens (or the fault drawing raised), prompt
+    logprobs (first position, entries), and faults of an item's other work."""
+
+    sampled: dict[int, list[Sampled | Exception]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step did to one sequence: the scheduler's answer to a StepOutput."""
+
+    seq: Sequence
+    new_tokens: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    error: Exception | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.new_tokens) or self.error is not None
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int | None = None,
+        eos_ids: frozenset[int] = frozenset(),
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
+        self.num_prompt_tokens = 0  # prompt tokens computed (recomputed ones count again)
+        self.num_generated_tokens = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -85,6 +138,7 @@ class Scheduler:
                 batch.items.append((seq, want))
         budget = self.max_num_batched_tokens - batch.num_tokens
         if batch.preempted:
+            batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
             return batch  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -96,7 +150,58 @@ class Scheduler:
             want = min(seq.num_tokens - seq.num_computed, budget)
             batch.items.append((seq, want))
             budget -= want
+        batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
         return batch
+
+    def update_from_output(self, batch: ScheduledBatch, out: StepOutput) -> list[SequenceUpdate]:
+        """Advance every scheduled sequence by what the step computed; one update per item, in
+        batch order. A draw that raised ends its sequence (reason "abort") with the error."""
+        updates = []
+        for i, (seq, n) in enumerate(batch.items):
+            update = SequenceUpdate(seq, prompt_logprobs=out.prompt_logprobs.get(i), error=out.errors.get(i))
+            self.num_prompt_tokens += max(0, min(n, len(seq.prompt_ids) - seq.num_computed))
+            seq.num_computed += n
+            self.blocks.register_full_blocks(seq)
+            for drawn in out.sampled.get(i, []):
+                if update.error is not None or seq.finished:
+                    break
+                if isinstance(drawn, Exception):
+                    update.error = drawn
+                    break
+                update.new_tokens.append(drawn)
+                self._append(seq, drawn.token)
+            if update.error is not None and not seq.finished:
+                self.finish(seq, "abort")
+            updates.append(update)
+        return updates
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """One new token; finish the sequence on EOS, a stop token id, max_tokens or max_model_len."""
+        p = seq.params
+        seq.output_ids.append(token)
+        self.num_generated_tokens += 1
+        count = len(seq.output_ids)
+        reason, stop = None, None
+        if token in self.eos_ids and not p.ignore_eos and count >= p.min_tokens:
+            reason = "stop"
+        elif token in p.stop_token_ids and count >= p.min_tokens:
+            reason, stop = "stop", token
+        elif (p.max_tokens is not None and count >= p.max_tokens) or (
+            self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop
+            self.finish(seq, reason)
+
+    def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:
+        """The output processor found a stop string in the sequence's text: it ends now (its
+        finish reason becomes "stop" even if the same token also reached a length limit)."""
+        if seq.finished and seq.finish_reason == "stop":
+            return
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        if not seq.finished:
+            self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""

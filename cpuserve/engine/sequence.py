@@ -1,4 +1,7 @@
-"""One generated sequence (a request with n > 1 has n of them): tokens, KV blocks, results."""
+"""One generated sequence (a request with n > 1 has n of them): its tokens, KV blocks and state.
+
+The scheduler owns it: `num_computed`, the block table, the output ids and the finish decision.
+Text, stop strings and logprobs live in the output processor, outside the engine core."""
 
 from __future__ import annotations
 
@@ -43,10 +46,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+    allowed: torch.Tensor | None = None  # bool [V]: the tokens this sequence may draw (None: all)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,40 @@
+"""Requests become engine-core requests before they reach the engine thread: prompts tokenized,
+sampling parameters and lengths validated. Runs on the caller's thread (the server calls it off
+its event loop), so a long prompt's tokenization never delays anybody's decode step."""
+
+from __future__ import annotations
+
+from cpuserve.engine.requests import EngineCoreRequest
+from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
+from cpuserve.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineCoreRequest:
+        """Tokenize and validate; an impossible request raises InvalidRequest naming the parameter."""
+        params.validate(self.vocab_size)
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest("prompt", f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if not ids:
+            raise InvalidRequest("prompt", "is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                "prompt",
+                f"is {len(ids)} tokens; this server's max_model_len is {self.max_model_len}, which "
+                "leaves no room to generate",
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                "max_tokens",
+                f"{params.max_tokens} + {len(ids)} prompt tokens exceeds max_model_len "
+                f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)}",
+            )
+        return EngineCoreRequest(request_id, ids, params, text)
