@@ -267,7 +267,7 @@ def _cmd_bench_make_model(args: argparse.Namespace) -> int:
     else:
         import tempfile
 
-        from cpuserve.quant.quantize import quantize_checkpoint
+        from cpuserve.offline.quantize import quantize_checkpoint
 
         if out.exists() and not args.force:
             raise CpuserveError(f"{out}: already exists (pass --force to replace it)")
@@ -287,8 +287,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from cpuserve.model.resolve import resolve_model
-    from cpuserve.quant.calibrate import CalibrationOptions
-    from cpuserve.quant.quantize import quantize_checkpoint
+    from cpuserve.offline.calibrate import CalibrationOptions
+    from cpuserve.offline.quantize import quantize_checkpoint
 
     src = resolve_model(args.src, args.cache_dir)
     ignore = None if args.ignore is None else [i for part in args.ignore for i in part.split(",") if i]
@@ -312,7 +312,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from cpuserve.model.gguf_convert import convert_gguf
+    from cpuserve.offline.gguf_convert import convert_gguf
 
     out = convert_gguf(Path(args.gguf), Path(args.out_dir), force=args.force)
     log.info("wrote %s", out)

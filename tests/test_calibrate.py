@@ -10,9 +10,9 @@ import torch
 from cpuserve.model.decoder import ContiguousAttention
 from cpuserve.model.loader import load_model
 from cpuserve.model.rope import cos_sin
-from cpuserve.quant.calibrate import CalibrationOptions, _record_inputs, _smooth, gptq_quantize
+from cpuserve.offline.calibrate import CalibrationOptions, _record_inputs, _smooth, gptq_quantize
+from cpuserve.offline.quantize import quantize_checkpoint, quantize_weight
 from cpuserve.quant.config import WeightQuant
-from cpuserve.quant.quantize import quantize_checkpoint, quantize_weight
 from cpuserve.tokenizer import Tokenizer
 
 LICENSES = Path("/usr/share/common-licenses")

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from cpuserve.errors import CheckpointError
 from cpuserve.model import checkpoint
-from cpuserve.model.gguf_convert import convert_gguf, hf_name
 from cpuserve.model.loader import load_model
+from cpuserve.offline.gguf_convert import convert_gguf, hf_name
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 from tests.gguf_fixtures import HEADS, KV_HEADS, LAYER_TYPES, llama_permute, slow_dequantize, write_tiny_llama
 

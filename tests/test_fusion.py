@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpuserve.model.loader import load_model
-from cpuserve.quant.quantize import quantize_checkpoint
+from cpuserve.offline.quantize import quantize_checkpoint
 from cpuserve.tokenizer import Tokenizer
 
 
@@ -37,5 +37,5 @@ def test_fused_quantized_model_is_bit_identical(smol_dir, ids, tmp_path, scheme,
     path = quantize_checkpoint(smol_dir, tmp_path / scheme, scheme, group, progress=False)
     fused, plain = load_model(path, "float32"), load_model(path, "float32", fuse=False)
     assert _fused_count(fused) == 2 * len(fused.model.layers)
-    assert fused.model.layers[0].mlp.gate_up_proj.native is not None  # still on the native kernels
+    assert fused.model.layers[0].mlp.gate_up_proj.kernel is not None  # still on the native kernels
     assert torch.equal(fused(ids), plain(ids))

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from cpuserve.kernels import native, runnable_variants
+from cpuserve.offline.quantize import quantize_weight
 from cpuserve.quant.config import WeightQuant
-from cpuserve.quant.quantize import quantize_weight
-from cpuserve.quant.schemes import QuantLinear, reference_forward, unpack_int8, unpack_nibbles
+from cpuserve.quant.linear import Linear
+from cpuserve.quant.packing import unpack_int8, unpack_nibbles
+from cpuserve.quant.reference import reference_forward
 
 REL_BUDGET = 2e-6  # vs the reference: float epilogue order only (the integer sums are exact)
 MS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 64, 65, 100, 130, 200]  # 200: past a pass of 192 rows (panels)
@@ -107,7 +109,7 @@ def test_model_greedy_tokens_native_equal_reference(smol_dir, tmp_path, monkeypa
     from cpuserve.generate import SimpleSampling, generate_ids
     from cpuserve.kernels import selected_variant
     from cpuserve.model.loader import load_model
-    from cpuserve.quant.quantize import quantize_checkpoint
+    from cpuserve.offline.quantize import quantize_checkpoint
     from cpuserve.tokenizer import Tokenizer
 
     path = quantize_checkpoint(smol_dir, tmp_path / scheme, scheme, group, progress=False)
@@ -117,7 +119,7 @@ def test_model_greedy_tokens_native_equal_reference(smol_dir, tmp_path, monkeypa
         monkeypatch.setenv("CPUSERVE_ISA", isa)
         selected_variant.cache_clear()
         model = load_model(path, "float32")
-        kinds = {m.variant for m in model.modules() if isinstance(m, QuantLinear)}
+        kinds = {m.variant for m in model.modules() if isinstance(m, Linear) and m.quant is not None}
         assert kinds == {isa}, kinds
         outputs[isa] = list(generate_ids(model, ids, SimpleSampling(max_tokens=32)))
     selected_variant.cache_clear()
@@ -125,7 +127,7 @@ def test_model_greedy_tokens_native_equal_reference(smol_dir, tmp_path, monkeypa
 
 
 def test_pack_quantized_words_go_straight_to_the_kernel_layout(kernels):
-    from cpuserve.quant.schemes import pack_int
+    from cpuserve.quant.packing import pack_int
 
     q = torch.randint(-8, 8, (37, 576), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
     for variant in runnable_variants():

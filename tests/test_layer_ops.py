@@ -221,7 +221,7 @@ def test_quantized_model_with_native_ops_stays_within_the_schemes_own_noise(kern
     0.056 on Apache-2.0 text, top-1 agreement 93%)."""
     from pathlib import Path
 
-    from cpuserve.quant.quantize import quantize_checkpoint
+    from cpuserve.offline.quantize import quantize_checkpoint
     from cpuserve.tokenizer import Tokenizer
 
     path = quantize_checkpoint(smol_dir, tmp_path / "w8a8", "w8a8", None, progress=False)

@@ -11,7 +11,7 @@ import torch
 
 from cpuserve.errors import ConfigError
 from cpuserve.model.loader import load_model
-from cpuserve.quant.schemes import QuantLinear
+from cpuserve.quant.linear import Linear
 from cpuserve.tokenizer import Tokenizer
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -29,8 +29,8 @@ def reference(smol_dir):
 def test_quantized_head_stays_close_to_the_float_head(smol_dir, reference, kind):
     ids, ref = reference
     model = load_model(smol_dir, "float32", quantize_lm_head=kind)
-    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.quant.bits == (8 if kind == "int8" else 4)
-    assert model.lm_head.native is not None  # on the native kernels, like the body
+    assert isinstance(model.lm_head, Linear) and model.lm_head.quant.bits == (8 if kind == "int8" else 4)
+    assert model.lm_head.kernel is not None  # on the native kernels, like the body
     got = model(ids)[0].log_softmax(-1)
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()

@@ -12,7 +12,7 @@ from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.model import native_decode
 from cpuserve.model.loader import load_model
-from cpuserve.quant.quantize import quantize_checkpoint
+from cpuserve.offline.quantize import quantize_checkpoint
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from cpuserve.errors import CpuserveError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import load_spec
-from cpuserve.model.gguf_convert import gguf_name, open_gguf, permute_rope, read_metadata
+from cpuserve.offline.gguf_convert import gguf_name, open_gguf, permute_rope, read_metadata
 
 TYPES = {
     "f16": gguf.GGMLQuantizationType.F16,

@@ -47,8 +47,8 @@ def decode_bytes(
     """Bytes of weights one decode step reads, per engine (a token reads one embedding row, not the
     table, unless the table is also the output head). lm_head: cpuserve's --quantize-lm-head."""
     from cpuserve.model.footprint import model_facts
-    from cpuserve.model.gguf_convert import open_gguf
     from cpuserve.model.loader import lm_head_quant
+    from cpuserve.offline.gguf_convert import open_gguf
 
     spec, _, facts = model_facts(ours_dir, "auto")
     table = spec.vocab_size * spec.hidden_size * 2  # bf16 embedding; an untied head is the same size

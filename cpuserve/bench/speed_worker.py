@@ -20,9 +20,9 @@ def main() -> None:
 
     model = load_model(model_dir, "auto")
     load_s = time.perf_counter() - start
-    from cpuserve.quant.schemes import QuantLinear
+    from cpuserve.quant.linear import Linear
 
-    reference = [m for m in model.modules() if isinstance(m, QuantLinear) and m.native is None]
+    reference = [m for m in model.modules() if isinstance(m, Linear) and m.quant is not None and m.kernel is None]
     if reference:  # e.g. kernels edited (new build key) and not rebuilt: a number of the wrong engine
         sys.exit(f"speed_worker: {len(reference)} quantized linears are not on the native kernels; ./run setup")
     ids = torch.arange(100, 100 + prompt_tokens).unsqueeze(0)

@@ -42,7 +42,7 @@ def prepare(work: Path, model: str) -> None:
     from cpuserve.bench.gguf_export import export_gguf
     from cpuserve.bench.make_model import make_model
     from cpuserve.model.resolve import bundled_gguf, resolve_model
-    from cpuserve.quant.quantize import quantize_checkpoint
+    from cpuserve.offline.quantize import quantize_checkpoint
 
     bundled = resolve_model(None)
     if model == "smol":

@@ -13,7 +13,7 @@ engine. Everything else (projections, norms, rope, MLP) is shared.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import nn
 
 from cpuserve.model import native_decode, ops
 from cpuserve.model.config import ModelSpec
+from cpuserve.model.linears import LinearFactory
 from cpuserve.model.native_decode import DecodeCache
 from cpuserve.model.rope import cos_sin, inverse_frequencies
 
@@ -99,14 +100,17 @@ class ContiguousAttention:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         self.spec = spec
-        self.q_proj = nn.Linear(spec.hidden_size, spec.q_size, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.qkv_proj: nn.Module | None = None  # q/k/v fused after loading (model/fusion.py)
+        h, bias = spec.hidden_size, spec.qkv_bias
+        sizes = [spec.q_size, spec.kv_size, spec.kv_size]
+        self.qkv_proj = linear.fused(prefix, ["q_proj", "k_proj", "v_proj"], h, sizes, bias)
+        if self.qkv_proj is None:
+            self.q_proj = linear(f"{prefix}q_proj", h, spec.q_size, bias)
+            self.k_proj = linear(f"{prefix}k_proj", h, spec.kv_size, bias)
+            self.v_proj = linear(f"{prefix}v_proj", h, spec.kv_size, bias)
+        self.o_proj = linear(f"{prefix}o_proj", spec.q_size, h, spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -131,12 +135,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # gate/up fused after loading (model/fusion.py)
+        h, i, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_up_proj = linear.fused(prefix, ["gate_proj", "up_proj"], h, [i, i], bias)
+        if self.gate_up_proj is None:
+            self.gate_proj = linear(f"{prefix}gate_proj", h, i, bias)
+            self.up_proj = linear(f"{prefix}up_proj", h, i, bias)
+        self.down_proj = linear(f"{prefix}down_proj", i, h, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -147,13 +153,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         self.residual_scale = spec.residual_scale
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, f"{prefix}self_attn.", linear)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, f"{prefix}mlp.", linear)
 
     def step(
         self,
@@ -184,21 +190,31 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     """`model.*` in HF naming: embeddings, layers, final norm."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, linear: LinearFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, f"model.layers.{i}.", linear) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """A Llama-family causal LM with the HF parameter names (`model.*`, `lm_head.weight`)."""
+    """A Llama-family causal LM with the HF parameter names (`model.*`, `lm_head.weight`).
 
-    def __init__(self, spec: ModelSpec) -> None:
+    `linear` decides each linear's quant method and whether q/k/v and gate/up are fused (default:
+    float32, unfused, as the checkpoint names them)."""
+
+    # A fused layer's shards, in order, by the checkpoint names of the modules they come from.
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, spec: ModelSpec, linear: LinearFactory | None = None) -> None:
         super().__init__()
+        linear = linear or LinearFactory(tied_lm_head=spec.tie_word_embeddings)
         self.spec = spec
-        self.model = DecoderBody(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.model = DecoderBody(spec, linear)
+        self.lm_head = linear("lm_head", spec.hidden_size, spec.vocab_size, False)
         with torch.device("cpu"):  # real even when the module is built on the meta device
             self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
 
@@ -214,7 +230,7 @@ class CausalLM(nn.Module):
         return self._native_plan
 
     def reset_native_decode_plan(self) -> None:
-        """Call after changing the model's modules or kernels once it has run."""
+        """For A/B tests that switch native decode on and off on one loaded model."""
         self.__dict__.pop("_native_plan", None)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -1,23 +1,29 @@
-"""Build the reference decoder from an HF directory, checking every tensor against the spec."""
+"""Build the decoder from an HF directory, checking every tensor against the spec.
+
+The model is built on the meta device with each linear's quant method chosen (model/linears.py);
+every checkpoint tensor is then checked (name, shape, dtype) and read once into its place: float
+tensors into the model's parameters, each linear's shards into its layer, which its method packs
+for the chosen kernel as soon as the layer is complete (one layer's unpacked copy at a time).
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import ModelSpec, load_spec
 from cpuserve.model.decoder import CausalLM
-from cpuserve.model.fusion import fuse_projections
+from cpuserve.model.linears import LinearFactory
 from cpuserve.quant.config import QuantConfig, WeightQuant
-from cpuserve.quant.schemes import QuantLinear, expected_tensors, load_quantized, use_native_kernels
+from cpuserve.quant.linear import Linear
+from cpuserve.quant.methods import IntWeightMethod, KernelChoice, fetch_float, select_kernel
+from cpuserve.quant.rtn import quantize_weight_in_chunks
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +43,6 @@ def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
     return DTYPES[name]
 
 
-def quantize_modules(model: CausalLM, spec: ModelSpec, source: str) -> dict[str, QuantLinear]:
-    """Swap the Linear modules the quantization_config covers for QuantLinear (on the meta device)."""
-    if spec.quantization_config is None:
-        return {}
-    qc = QuantConfig.from_hf(spec.quantization_config, source)
-    swapped: dict[str, QuantLinear] = {}
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        quant = qc.scheme_for(name)
-        if quant is None:
-            continue
-        if name == "lm_head" and spec.tie_word_embeddings:
-            raise ConfigError(f"{source}: lm_head is tied to the embeddings and cannot be quantized; add it to ignore")
-        if quant.group_size and module.in_features % quant.group_size:
-            raise ConfigError(
-                f"{source}: {name} ({quant.name}): input size {module.in_features} is not a multiple "
-                f"of group_size {quant.group_size}"
-            )
-        with torch.device("meta"):
-            q = QuantLinear(module.in_features, module.out_features, quant, module.bias is not None)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
-        swapped[name] = q
-    return swapped
-
-
 LM_HEAD_KINDS = ("int8", "int4")
 
 
@@ -80,23 +59,29 @@ def lm_head_quant(kind: str, hidden_size: int) -> WeightQuant:
     return WeightQuant(bits=4, group_size=group, packed=False)
 
 
-def _quantize_lm_head(model: CausalLM, kind: str) -> None:
+def _quantized_lm_head(head: Linear, kind: str, dtype: torch.dtype, kernel: KernelChoice | None) -> Linear:
     """Opt-in: the output head quantized like the body's linears, per-token int8 activations. A
     decode step reads the whole head (49152 x 576 for SmolLM2, 130560 x 2048 for MiniCPM5-2B): int8
     halves a bf16 head's bytes, int4 quarters them; logits move by the quantization error
     (tests/test_lm_head.py bounds it)."""
-    from cpuserve.quant.quantize import quantize_weight_in_chunks
-
-    head = model.lm_head
     quant = lm_head_quant(kind, head.in_features)
     # int8: the absmax scale. The least-error search (eight candidate scales, eight passes) gains
     # nothing measurable with 255 levels (tests/test_lm_head.py) and took ~23 s of a 2B load.
-    method = "minmax" if quant.bits == 8 else "mse"
-    q, scale = quantize_weight_in_chunks(head.weight, quant, method)
-    new = QuantLinear(head.in_features, head.out_features, quant, bias=False)
-    new.qweight, new.scales = q, scale.float()
-    model.lm_head = new
+    q, scale = quantize_weight_in_chunks(head.weight, quant, "minmax" if quant.bits == 8 else "mse")
+    method = IntWeightMethod(quant, dtype)
+    with torch.device("meta"):
+        new = Linear(head.in_features, [head.out_features], False, method)
+    method.set_weights(new, q, scale)
+    method.process_weights_after_loading(new, kernel)
     log.info("lm_head quantized to %s: logits carry its rounding error", quant.name)
+    return new
+
+
+def _shard_prefixes(model: CausalLM, name: str) -> list[str]:
+    """The checkpoint modules a layer is loaded from: itself, or a fused layer's parts in order."""
+    parent, _, child = name.rpartition(".")
+    parts = model.packed_modules_mapping.get(child)
+    return [f"{parent}.{p}" for p in parts] if parts else [name]
 
 
 def load_model(
@@ -105,35 +90,50 @@ def load_model(
     progress: bool = False,
     quantize_lm_head: str | None = None,
     fuse: bool = True,
+    spec: ModelSpec | None = None,
 ) -> CausalLM:
     """Load config and weights; raise CheckpointError naming the tensor on any mismatch. With fuse,
-    q/k/v and gate/up become one linear each (model/fusion.py); tools that need the checkpoint's
-    modules one by one (calibration, per-layer tests) pass fuse=False."""
-    spec = load_spec(model_dir)
+    q/k/v and gate/up become one linear each where their methods agree; tools that need the
+    checkpoint's modules one by one (calibration, per-layer tests) pass fuse=False."""
+    spec = spec or load_spec(model_dir)
     torch_dtype = resolve_dtype(dtype, spec)
+    source = str(model_dir / "config.json")
+    qc = QuantConfig.from_hf(spec.quantization_config, source) if spec.quantization_config else None
+    if quantize_lm_head is not None:
+        lm_head_quant(quantize_lm_head, spec.hidden_size)  # refuse a bad kind before reading anything
+    factory = LinearFactory(torch_dtype, qc, fuse, spec.tie_word_embeddings, source)
     with torch.device("meta"):
-        model = CausalLM(spec)
-    quantized = quantize_modules(model, spec, str(model_dir / "config.json"))
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        model = CausalLM(spec, factory)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if spec.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    quant_tensors = {
-        name: shape
-        for prefix, q in quantized.items()
-        for name, shape in expected_tensors(prefix, q.quant, q.out_features, q.in_features).items()
+        del linears["lm_head"]  # the embedding is the head
+    owned = {f"{name}.{p}" for name, m in linears.items() for p, _ in m.state_dict(keep_vars=True).items()}
+    expected = {
+        n: tuple(p.shape) for n, p in model.named_parameters() if n not in owned and not n.startswith("lm_head.")
     }
+    shards: dict[str, list[tuple[str, dict[str, tuple[int, ...]]]]] = {}
+    for name, layer in linears.items():
+        shards[name] = []
+        for i, prefix in enumerate(_shard_prefixes(model, name)):
+            n = layer.output_sizes[i]
+            tensors = layer.method.checkpoint_tensors(prefix, n, layer.in_features)
+            if layer.bias is not None:
+                tensors[f"{prefix}.bias"] = (n,)
+            shards[name].append((prefix, tensors))
+    linear_tensors = {t: s for parts in shards.values() for _, ts in parts for t, s in ts.items()}
+    kernel = select_kernel() if qc is not None or quantize_lm_head else None
 
     state: dict[str, torch.Tensor] = {}
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        missing = [n for n in [*expected, *quant_tensors] if n not in ckpt]
+        missing = [n for n in [*expected, *linear_tensors] if n not in ckpt]
         if missing:
             raise CheckpointError(
                 f"{model_dir}: tensor '{missing[0]}' is missing"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 + f" for {spec.architecture}"
-                + (f" with {spec.quantization_config.get('format')} quantization" if quantized else "")
+                + (f" with {spec.quantization_config.get('format')} quantization" if qc else "")
             )
-        extra = [n for n in ckpt.names() if n not in expected and n not in quant_tensors and not _IGNORED.search(n)]
+        extra = [n for n in ckpt.names() if n not in expected and n not in linear_tensors and not _IGNORED.search(n)]
         if spec.tie_word_embeddings and "lm_head.weight" in extra:
             extra.remove("lm_head.weight")  # tied: the embedding is the head
         if extra:
@@ -142,45 +142,35 @@ def load_model(
                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
                 + f" for {spec.architecture}: does config.json describe this checkpoint?"
             )
-        for name in tqdm(expected, desc="loading weights", unit="tensor", disable=not progress):
-            shape = ckpt.shape(name)
-            if shape != expected[name]:
-                raise CheckpointError(
-                    f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(shape)}, "
-                    f"expected {list(expected[name])} from config.json"
-                )
-            tensor = ckpt.get(name)
-            if not tensor.is_floating_point():
-                raise CheckpointError(
-                    f"{ckpt.file_of(name)}: tensor '{name}' has dtype {tensor.dtype}, "
-                    "expected a floating-point dtype (float32, bfloat16 or float16)"
-                )
-            state[name] = tensor.to(torch_dtype).contiguous()
-        for prefix, q in quantized.items():
-            load_quantized(q, prefix, ckpt.get, ckpt.file_of)
-            state[f"{prefix}.scales"] = q.scales
-            if q.qweight is not None:
-                state[f"{prefix}.qweight"] = q.qweight
-    if spec.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing_ok = {f"{p}.qweight" for p, q in quantized.items() if q.qweight is None}  # loaded as nibbles
+        bar = tqdm(total=len(expected) + len(linears), desc="loading weights", unit="tensor", disable=not progress)
+        for name in expected:
+            state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
+            bar.update()
+        for name, layer in linears.items():
+            for i, (prefix, tensors) in enumerate(shards[name]):
+                layer.method.load_shard(layer, i, prefix, ckpt)
+                if layer.bias is not None:
+                    bias = f"{prefix}.bias"
+                    layer.load_bias(i, fetch_float(ckpt, bias, tensors[bias]))
+            layer.method.process_weights_after_loading(layer, kernel)  # packed now, once
+            bar.update()
+        bar.close()
     result = model.load_state_dict(state, strict=False, assign=True)
-    unexpected = list(result.unexpected_keys) + [k for k in result.missing_keys if k not in missing_ok]
-    if unexpected:
-        raise RuntimeError(f"internal: state dict mismatch {unexpected[:3]}")
+    missing_keys = [k for k in result.missing_keys if k not in owned and not k.startswith("lm_head.")]
+    if result.unexpected_keys or missing_keys:
+        raise RuntimeError(f"internal: state dict mismatch {[*result.unexpected_keys, *missing_keys][:3]}")
     if spec.tie_word_embeddings:  # one tensor, not two copies
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     model.eval()
-    lm_head = quantize_lm_head if quantize_lm_head is not None else os.environ.get("CPUSERVE_QUANTIZE_LM_HEAD")
-    if lm_head:
-        _quantize_lm_head(model, lm_head)
-        quantized["lm_head"] = model.lm_head
+    if quantize_lm_head:
+        model.lm_head = _quantized_lm_head(model.lm_head, quantize_lm_head, torch_dtype, kernel)
+        linears["lm_head"] = model.lm_head
+    quantized = [m for m in linears.values() if m.quant is not None]
     if quantized:
-        log.info("quantized linears: %s", use_native_kernels(model))
-    if fuse:
-        fused = fuse_projections(model)
-        log.debug("fused %d of %d q/k/v and gate/up groups", fused, 2 * spec.num_layers)
+        on_kernel = sum(m.kernel is not None for m in quantized)
+        runs = f"native {kernel.variant}" if kernel is not None else "reference (pure torch)"
+        log.info("quantized linears: %s (%d/%d layers; the rest reference)", runs, on_kernel, len(quantized))
     log.info(
         "loaded %s from %s: %d layers, hidden %d, %s",
         spec.architecture,

@@ -41,18 +41,9 @@ def enabled() -> bool:
 
 
 def _linear(module: nn.Module, kernels: Any) -> Any | None:
-    from cpuserve.quant.schemes import QuantLinear
+    from cpuserve.quant.linear import Linear
 
-    if isinstance(module, QuantLinear):
-        if module.native is None:
-            return None
-        if module.quant.bits == 8:
-            weight = module.qweight if module.qweight is not None else module.packed
-            return kernels.NativeLinear(1, weight, module.scales.view(-1), module.bias, module.variant)
-        return kernels.NativeLinear(2, module.packed, module.kernel_scales, module.bias, module.variant)
-    if type(module) is nn.Linear:
-        return kernels.NativeLinear(0, module.weight, torch.empty(0), module.bias, "")
-    return None
+    return module.native_linear(kernels) if isinstance(module, Linear) else None
 
 
 def build_plan(model: nn.Module) -> list[Any] | None:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from cpuserve.errors import CheckpointError
-from cpuserve.model.gguf_convert import convert_gguf
+from cpuserve.offline.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
 

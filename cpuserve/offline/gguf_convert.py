@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from cpuserve.errors import CheckpointError
 from cpuserve.model.checkpoint import ShardWriter, atomic_directory
-from cpuserve.model.gguf_tokenizer import build_tokenizer
+from cpuserve.offline.gguf_tokenizer import build_tokenizer
 
 SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.F32,

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from cpuserve.model.decoder import CausalLM, ContiguousAttention, DecoderLayer
 from cpuserve.model.rope import cos_sin
 from cpuserve.quant.config import WeightQuant
+from cpuserve.quant.linear import Linear
 
 Quantizer = Callable[[torch.Tensor, WeightQuant], tuple[torch.Tensor, torch.Tensor]]
 
@@ -70,7 +70,7 @@ def _record_inputs(layer: DecoderLayer, run: Callable[[], object]) -> dict[str, 
     hooks = [
         module.register_forward_pre_hook(lambda m, args, name=name: hook(name, args[0]))
         for name, module in layer.named_modules()
-        if isinstance(module, nn.Linear)
+        if isinstance(module, Linear)
     ]
     try:
         run()
@@ -82,7 +82,7 @@ def _record_inputs(layer: DecoderLayer, run: Callable[[], object]) -> dict[str, 
 
 def _smooth(
     producer: torch.Tensor,
-    consumers: list[nn.Linear],
+    consumers: list[Linear],
     absmax: torch.Tensor,
     alpha: float,
     producer_is_rows: bool,
@@ -200,7 +200,7 @@ def calibrate_and_quantize(
                 changed[prefix + "mlp.up_proj.weight"] = mlp.up_proj.weight.detach().to(storage_dtype)
         for name, module in layer.named_modules():
             full = prefix + name
-            if not isinstance(module, nn.Linear) or full not in targets:
+            if not isinstance(module, Linear) or full not in targets:
                 continue
             quant = targets[full]
             w = module.weight.detach()

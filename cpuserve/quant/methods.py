@@ -1,0 +1,285 @@
+"""Quant methods: one object per scheme that owns a linear layer's weights from checkpoint to kernel.
+
+Each method (after vLLM's QuantizeMethodBase) has the same four steps:
+- `create_weights(layer)`: the tensors the checkpoint holds, named as there (empty, on the device
+  the model is built on);
+- `load_shard(layer, shard, prefix, ckpt)`: one checkpoint module's tensors, checked (name, shape,
+  dtype, values) and copied into that shard's rows: q/k/v fill one fused qkv_proj, gate/up one
+  gate_up_proj, and nothing is concatenated or repacked afterwards;
+- `process_weights_after_loading(layer, kernel)`: the only place that packs, once, into the layout
+  of the kernel chosen at start (or, without one, the int8 values the reference forward reads);
+- `apply(layer, x)`: the forward.
+`native_linear(layer, kernels)` gives native decode an opaque handle to the packed weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from cpuserve.errors import CheckpointError
+from cpuserve.quant.config import WeightQuant
+from cpuserve.quant.packing import unpack_int, unpack_int8, unpack_nibbles
+from cpuserve.quant.reference import reference_forward
+
+FLOAT_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The native kernels and the variant chosen once at start for every quantized linear."""
+
+    kernels: ModuleType
+    variant: str
+
+
+def select_kernel() -> KernelChoice | None:
+    """The platform's (or CPUSERVE_ISA's) variant, None for the pure-torch reference path."""
+    from cpuserve.kernels import native, selected_variant
+
+    variant = selected_variant()
+    kernels = native() if variant != "reference" else None
+    return KernelChoice(kernels, variant) if kernels is not None else None
+
+
+class Checkpoint(Protocol):
+    def get(self, name: str) -> torch.Tensor: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def file_of(self, name: str) -> Any: ...
+
+
+def fetch(
+    ckpt: Checkpoint, name: str, shape: tuple[int, ...], kinds: tuple[torch.dtype, ...], what: str
+) -> torch.Tensor:
+    """A checkpoint tensor with the expected shape and one of the expected dtypes, else the error
+    naming the file, the tensor, what it is and what was expected."""
+    if tuple(ckpt.shape(name)) != shape:  # checked before the data is read
+        raise CheckpointError(
+            f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(ckpt.shape(name))}, expected {list(shape)} {what}"
+        )
+    t = ckpt.get(name)
+    if t.dtype not in kinds:
+        raise CheckpointError(
+            f"{ckpt.file_of(name)}: tensor '{name}' has dtype {t.dtype}, expected "
+            f"{' or '.join(str(d) for d in kinds)} {what}"
+        )
+    return t
+
+
+def fetch_float(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float checkpoint tensor (any float dtype: the model converts it) of the expected shape."""
+    if tuple(ckpt.shape(name)) != shape:
+        raise CheckpointError(
+            f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(ckpt.shape(name))}, "
+            f"expected {list(shape)} from config.json"
+        )
+    t = ckpt.get(name)
+    if not t.is_floating_point():
+        raise CheckpointError(
+            f"{ckpt.file_of(name)}: tensor '{name}' has dtype {t.dtype}, "
+            "expected a floating-point dtype (float32, bfloat16 or float16)"
+        )
+    return t
+
+
+def _real(layer: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The layer's buffer `name`, allocated in memory at the first shard (the model is built on meta)."""
+    t = getattr(layer, name)
+    if t is None or t.is_meta:
+        t = torch.empty(shape, dtype=dtype)
+        setattr(layer, name, t)
+    return t
+
+
+class DenseMethod:
+    """An unquantized linear in the compute dtype: torch's matmul, or the float native decode path."""
+
+    quant = None
+    name = "dense"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DenseMethod) and other.dtype == self.dtype
+
+    def __hash__(self) -> int:
+        return hash(self.dtype)
+
+    def create_weights(self, layer: Any) -> None:
+        weight = torch.empty(layer.out_features, layer.in_features, dtype=self.dtype)
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def checkpoint_tensors(self, prefix: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}.weight": (n, k)}
+
+    def load_shard(self, layer: Any, shard: int, prefix: str, ckpt: Checkpoint) -> None:
+        name, rows = f"{prefix}.weight", layer.shard_rows(shard)
+        t = fetch_float(ckpt, name, (rows.stop - rows.start, layer.in_features))
+        if layer.weight.is_meta:
+            layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device="cpu"), requires_grad=False)
+        layer.weight.data[rows] = t.to(self.dtype)
+
+    def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
+        """Nothing to pack: float weights are used as they are."""
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def native_linear(self, layer: Any, kernels: Any) -> Any:
+        return kernels.NativeLinear(0, layer.weight, torch.empty(0), layer.bias, "")
+
+
+class IntWeightMethod:
+    """W8A8 (int8 per output channel) and W4A8 (int4 per group), int8 per-token activations.
+
+    From the checkpoint: `weight` int8 [N, K] (int-quantized) or `weight_packed` int32 words plus
+    `weight_shape` (pack-quantized), and `weight_scale` [N, G]. After processing, on a kernel:
+    `packed` in the kernel's layout (`packed_layout`) and, for int4, `kernel_scales` in its order;
+    W8A8 on a kernel whose layout is the int8 rows themselves keeps `qweight`. Without a kernel:
+    `qweight` int8 [N, K] for the reference forward."""
+
+    def __init__(self, quant: WeightQuant, dtype: torch.dtype) -> None:
+        self.quant, self.dtype = quant, dtype
+        self.name = quant.name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IntWeightMethod) and (other.quant, other.dtype) == (self.quant, self.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.quant, self.dtype))
+
+    def groups(self, k: int) -> int:
+        return k // self.quant.group_size if self.quant.group_size else 1
+
+    def create_weights(self, layer: Any) -> None:
+        n, k = layer.out_features, layer.in_features
+        words = -(-k * self.quant.bits // 32)
+        layer.register_buffer("qweight", None if self.quant.packed else torch.empty(n, k, dtype=torch.int8))
+        layer.register_buffer("weight_words", torch.empty(n, words, dtype=torch.int32) if self.quant.packed else None)
+        layer.register_buffer("scales", torch.empty(n, self.groups(k), dtype=torch.float32))
+        layer.packed, layer.packed_layout, layer.kernel_scales, layer.kernel = None, "none", None, None
+
+    def checkpoint_tensors(self, prefix: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
+        shapes = {f"{prefix}.weight_scale": (n, self.groups(k))}
+        if self.quant.packed:
+            shapes[f"{prefix}.weight_packed"] = (n, -(-k * self.quant.bits // 32))
+            shapes[f"{prefix}.weight_shape"] = (2,)
+        else:
+            shapes[f"{prefix}.weight"] = (n, k)
+        return shapes
+
+    def load_shard(self, layer: Any, shard: int, prefix: str, ckpt: Checkpoint) -> None:
+        quant, k, rows = self.quant, layer.in_features, layer.shard_rows(shard)
+        n = rows.stop - rows.start
+        if quant.group_size and k % quant.group_size:
+            raise CheckpointError(
+                f"{prefix}: {quant.name} needs the input size {k} to be a multiple of the group size {quant.group_size}"
+            )
+        shapes = self.checkpoint_tensors(prefix, n, k)
+        what = f"for {quant.name} ({n} x {k})"
+
+        def get(suffix: str, kinds: tuple[torch.dtype, ...]) -> torch.Tensor:
+            name = f"{prefix}.{suffix}"
+            return fetch(ckpt, name, shapes[name], kinds, what)
+
+        scale = get("weight_scale", FLOAT_SCALE_DTYPES).float()
+        if not torch.isfinite(scale).all():  # negative scales are fine: w = q * s either way
+            name = f"{prefix}.weight_scale"
+            raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has non-finite scales")
+        if quant.packed:
+            shape = get("weight_shape", (torch.int32, torch.int64)).tolist()
+            if shape != [n, k]:
+                name = f"{prefix}.weight_shape"
+                raise CheckpointError(
+                    f"{ckpt.file_of(name)}: tensor '{name}' says {shape}, expected {[n, k]} from config.json"
+                )
+            words = get("weight_packed", (torch.int32,))
+            _real(layer, "weight_words", layer.weight_words.shape, torch.int32)[rows] = words
+        else:
+            q = get("weight", (torch.int8,))
+            lo, hi = -(1 << (quant.bits - 1)), (1 << (quant.bits - 1)) - 1
+            if quant.bits < 8 and (q.min() < lo or q.max() > hi):
+                name = f"{prefix}.weight"
+                raise CheckpointError(
+                    f"{ckpt.file_of(name)}: tensor '{name}' holds values outside [{lo}, {hi}] for {quant.name}"
+                )
+            _real(layer, "qweight", layer.qweight.shape, torch.int8)[rows] = q
+        _real(layer, "scales", layer.scales.shape, torch.float32)[rows] = scale
+
+    def set_weights(self, layer: Any, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        """Int8 values and scales made in memory (the output head quantized at load), in place of
+        load_shard; process_weights_after_loading follows as for a checkpoint."""
+        layer.qweight, layer.weight_words, layer.scales = qweight.contiguous(), None, scales.float().contiguous()
+
+    def fits(self, k: int) -> bool:
+        group = self.quant.group_size or k
+        return k % 32 == 0 and group % 32 == 0
+
+    def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
+        """Pack once for `kernel` (or unpack the words for the reference path, when there is none
+        or the shapes do not fit it); the checkpoint's copies are dropped."""
+        k, bits4 = layer.in_features, self.quant.bits == 4
+        if kernel is None or not self.fits(k):
+            if layer.weight_words is not None:
+                layer.qweight, layer.weight_words = unpack_int(layer.weight_words, self.quant.bits, k), None
+            return
+        mod, variant = kernel.kernels, kernel.variant
+        if bits4:
+            if layer.weight_words is not None:  # straight to the kernel's layout: no int8 copy of the weight
+                layer.packed = mod.words_to_nibbles(layer.weight_words, k, variant)
+            else:
+                layer.packed = mod.pack_int4(layer.qweight, variant)
+            layer.qweight, layer.weight_words = None, None
+            layer.packed_layout = mod.int4_layout(variant)
+            layer.kernel_scales = mod.pack_scales(layer.scales, variant)
+        else:
+            layer.packed_layout = mod.int8_layout(variant)
+            if layer.packed_layout != "signed":  # "signed": the int8 rows as they are
+                layer.packed, layer.qweight = mod.pack_int8(layer.qweight, variant), None
+        layer.kernel = kernel
+
+    def int_weight(self, layer: Any) -> torch.Tensor:
+        """The int8 values [N, K], whatever layout holds them now."""
+        if layer.qweight is not None:
+            return layer.qweight
+        if layer.weight_words is not None:
+            return unpack_int(layer.weight_words, self.quant.bits, layer.in_features)
+        if self.quant.bits == 8:
+            return unpack_int8(layer.packed, layer.in_features, layer.packed_layout)
+        return unpack_nibbles(layer.packed, layer.in_features, layer.packed_layout)
+
+    def dequantized_weight(self, layer: Any) -> torch.Tensor:
+        n, k = layer.out_features, layer.in_features
+        g = k // layer.scales.shape[1]
+        return (self.int_weight(layer).float().view(n, -1, g) * layer.scales.unsqueeze(-1)).view(n, k)
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        kernel = layer.kernel
+        if kernel is None:
+            return reference_forward(x, self.int_weight(layer), layer.scales, layer.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, layer.in_features)
+        if self.quant.bits == 4:
+            y = kernel.kernels.w4a8_linear(x2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant)
+        else:
+            weight = layer.qweight if layer.qweight is not None else layer.packed
+            y = kernel.kernels.w8a8_linear(x2, weight, layer.scales.view(-1), layer.bias, kernel.variant)
+        return y.view(*lead, layer.out_features)
+
+    def native_linear(self, layer: Any, kernels: Any) -> Any | None:
+        kernel = layer.kernel
+        if kernel is None:
+            return None
+        if self.quant.bits == 8:
+            weight = layer.qweight if layer.qweight is not None else layer.packed
+            return kernels.NativeLinear(1, weight, layer.scales.view(-1), layer.bias, kernel.variant)
+        return kernels.NativeLinear(2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant)
+
+
+def method_for(quant: WeightQuant | None, dtype: torch.dtype) -> DenseMethod | IntWeightMethod:
+    return DenseMethod(dtype) if quant is None else IntWeightMethod(quant, dtype)

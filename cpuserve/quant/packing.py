@@ -1,0 +1,75 @@
+"""Integer weight layouts and their inverses: the checkpoint's packed int32 words (compressed-tensors
+pack-quantized) and the native kernels' nibble and panel layouts, read back to int8 [N, K] values
+(for the reference path, tests and tools)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_int(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] signed ints -> int32 [N, ceil(K * bits / 32)]: value + 2^(bits-1), element i at bit i*bits."""
+    per_word = 32 // bits
+    n, k = values.shape
+    words = -(-k // per_word)
+    u = (values.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    u = torch.nn.functional.pad(u, (0, words * per_word - k)).view(n, words, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    packed = (u << shifts).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of pack_int: int32 [N, W] -> int8 [N, k]."""
+    per_word = 32 // bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    u = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return (u.view(packed.shape[0], -1)[:, :k] - (1 << (bits - 1))).to(torch.int8)
+
+
+PANEL = 16  # output columns per panel in the panel layouts (kernels/csrc/qlinear_panels.h)
+
+
+def _unpanel(packed: torch.Tensor, n: int, per_column: int, unpack) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Rows [N, per_column bytes] of a panel layout: per panel of width w, steps of [w, 4] bytes;
+    `unpack(steps [w, steps, 4])` turns one panel's bytes into its [w, K] values."""
+    flat, rows = packed.reshape(-1), []
+    for c0 in range(0, n, PANEL):
+        w = min(PANEL, n - c0)
+        steps = flat[c0 * per_column : (c0 + w) * per_column].view(-1, w, 4).transpose(0, 1)
+        rows.append(unpack(steps))
+    return torch.cat(rows)
+
+
+def unpack_nibbles(packed: torch.Tensor, k: int, layout: str = "offset") -> torch.Tensor:
+    """A native int4 layout (uint8 [N, K/2]) back to int8 [N, K]. Rows (`offset`: nibbles value + 8;
+    `twos_complement`: the value's two's complement): 16 bytes per 32 values, low nibbles the first 16.
+    `offset_panel`: 16 columns interleaved, per 8 values 4 bytes a column, low nibbles the first 4."""
+    if layout == "offset_panel":
+
+        def panel(steps: torch.Tensor) -> torch.Tensor:  # [w, K/8, 4] -> [w, K]
+            lo, hi = (steps & 0x0F).to(torch.int8) - 8, (steps >> 4).to(torch.int8) - 8
+            return torch.cat((lo, hi), dim=-1).reshape(steps.shape[0], k)
+
+        return _unpanel(packed, packed.shape[0], k // 2, panel)
+    b = packed.view(packed.shape[0], k // 32, 16)
+    lo, hi = (b & 0x0F).to(torch.int8), (b >> 4).to(torch.int8)
+    if layout == "offset":
+        lo, hi = lo - 8, hi - 8
+    else:
+        lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
+    return torch.cat((lo, hi), dim=-1).view(packed.shape[0], k)
+
+
+def unpack_int8(packed: torch.Tensor, k: int, layout: str) -> torch.Tensor:
+    """A native W8A8 layout back to int8 [N, K]: `signed` is the weight itself; `signed_panel` (int8)
+    and `offset_panel` (uint8 w + 128) are [N, K rounded up to 4], 16 columns interleaved by 4 values."""
+    if layout == "signed":
+        return packed
+    flip = 0x80 if layout == "offset_panel" else 0
+
+    def panel(steps: torch.Tensor) -> torch.Tensor:  # [w, K4/4, 4] -> [w, K]
+        return (steps ^ flip).view(torch.int8).reshape(steps.shape[0], -1)[:, :k]
+
+    return _unpanel(packed, packed.shape[0], packed.shape[1], panel)
