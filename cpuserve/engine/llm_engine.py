@@ -61,6 +61,7 @@ class LLMEngine:
         self.core = EngineCore(model, config, max_len, self.eos_ids)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, max_len)
         self.states: dict[str, RequestState] = {}
+        self.facts: dict | None = None  # the model's footprint facts when built by from_model_dir
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -140,22 +141,28 @@ class LLMEngine:
         model_dir: Path,
         config: EngineConfig,
         dtype: str = "auto",
-        machine=None,
+        machine=None,  # type: ignore[no-untyped-def]
         overrides=None,  # type: ignore[no-untyped-def]
+        quantize_lm_head: str | None = None,
     ) -> LLMEngine:
-        """Load the model and size the KV cache from the platform memory plan (unless given)."""
+        """Read the model directory once (config, quantization config, headers), size the KV cache
+        from the platform memory plan (unless given) and load. Environment settings come from
+        `overrides` (read and validated once at start; read here if not given); an explicit
+        quantize_lm_head (the --quantize-lm-head flag) wins over CPUSERVE_QUANTIZE_LM_HEAD."""
         from cpuserve.model.footprint import model_facts, plan_model_memory
         from cpuserve.model.loader import load_model
+        from cpuserve.model.source import ModelSource
+        from cpuserve.platform.machine import detect_machine
+        from cpuserve.platform.overrides import read_overrides
 
-        spec, _, facts = model_facts(model_dir, dtype)
+        if overrides is None:
+            import os
+
+            overrides = read_overrides(os.environ)
+        source = ModelSource.open(model_dir)
+        spec, _, facts = model_facts(source, dtype)
         if config.num_kv_blocks is None:
-            if machine is None or overrides is None:
-                import os
-
-                from cpuserve.platform.machine import detect_machine
-                from cpuserve.platform.overrides import read_overrides
-
-                machine, overrides = machine or detect_machine(), overrides or read_overrides(os.environ)
+            machine = machine or detect_machine()
             max_len = config.max_model_len or spec.max_position_embeddings
             mem = plan_model_memory(
                 machine, overrides, spec, facts, max_len, config.max_num_seqs, config.max_num_batched_tokens
@@ -168,5 +175,7 @@ class LLMEngine:
                 config.block_size,
                 mem.reason,
             )
-        model = load_model(model_dir, dtype)
-        return cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+        model = load_model(source, dtype, quantize_lm_head=quantize_lm_head or overrides.quantize_lm_head)
+        engine = cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+        engine.facts = facts
+        return engine

@@ -11,20 +11,21 @@ Pickled formats (`*.bin`, `*.pt`) are refused: loading them can run arbitrary co
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cpuserve.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype names read here directly; any other goes through safetensors itself.
+# safetensors dtype names -> torch dtypes; a tensor of any other dtype is refused, naming it.
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -37,40 +38,65 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
 
-def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    """Tensor name -> (first byte, end) in the file, from the header safe_open has already checked."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    return {
-        k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
+@dataclass(frozen=True)
+class TensorEntry:
+    path: Path
+    dtype: str  # as the file stores it ('BF16', 'I8', ...)
+    shape: tuple[int, ...]
+    begin: int  # byte offsets in the file
+    end: int
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """One file's tensors from its header, parsed once and checked as safetensors checks it: JSON of
+    a known size, every dtype known, every byte range inside the data and as long as its shape."""
+    try:
+        size_on_disk = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(_MAX_HEADER, size_on_disk - 8):
+                raise ValueError("the header length is out of range")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file (the header is not a JSON object)")
+    data_start, entries = 8 + n, {}
+    for name in sorted(header):  # by name, as safetensors lists them
+        info = header[name]
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: not a readable safetensors file (bad entry for '{name}')") from None
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, which cpuserve does not read")
+        count = math.prod(shape) * _DTYPES[dtype].itemsize
+        if not (0 <= begin <= end and end - begin == count and data_start + end <= size_on_disk):
+            raise CheckpointError(
+                f"{path}: not a readable safetensors file (tensor '{name}' has byte range [{begin}, {end}) "
+                f"for {count} bytes in a file of {size_on_disk})"
+            )
+        entries[name] = TensorEntry(path, dtype, shape, data_start + begin, data_start + end)
+    return entries
 
 
 class SafetensorsCheckpoint:
-    """Lazy access to every tensor of a checkpoint, by name, without reading the others."""
+    """Every tensor of a checkpoint by name, from the headers read once; data read only on `get`.
+
+    Holds no open files: it can be kept from the start-up plan to the end of loading."""
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self._files = self._shard_files(model_dir)
-        self._stack = ExitStack()
-        self._handles = {}
-        self._where: dict[str, Path] = {}
-        self._offsets: dict[str, tuple[int, int]] = {}
+        self._entries: dict[str, TensorEntry] = {}
         for path in self._files:
-            try:
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except (SafetensorError, OSError) as exc:
-                self.close()
-                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-            self._handles[path] = handle
-            self._offsets.update(_data_offsets(path))
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                self._where[name] = path
+            self._entries.update(read_header(path))
 
     @staticmethod
     def _shard_files(model_dir: Path) -> list[Path]:
@@ -98,46 +124,42 @@ class SafetensorsCheckpoint:
         raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return list(self._entries)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._entries
 
     def file_of(self, name: str) -> Path:
-        return self._where[name]
+        return self._entries[name].path
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        return self._entries[name].shape
 
     def stored_dtype(self, name: str) -> str:
         """The dtype as the file stores it (e.g. 'BF16', 'I8'), without reading the data."""
-        return self._handles[self._where[name]].get_slice(name).get_dtype()
+        return self._entries[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
-        path = self._where.get(name)
-        if path is None:
+        entry = self._entries.get(name)
+        if entry is None:
             raise CheckpointError(f"{self.model_dir}: tensor '{name}' is missing from the checkpoint")
-        dtype = _DTYPES.get(self.stored_dtype(name))
         try:
-            if dtype is None:
-                return self._handles[path].get_tensor(name).clone()
-            begin, end = self._offsets[name]
-            data = torch.empty(end - begin, dtype=torch.uint8)
-            with open(path, "rb", buffering=0) as f:
-                f.seek(begin)
-                got = f.readinto(memoryview(data.numpy()))
-            if got != end - begin:
-                raise OSError(f"the file ends {end - begin - got} bytes early")
-            return data.view(dtype).view(self.shape(name))
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({exc})") from None
+            data = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+            with open(entry.path, "rb", buffering=0) as f:
+                f.seek(entry.begin)
+                got = f.readinto(memoryview(data.numpy())) if data.numel() else 0
+            if got != entry.end - entry.begin:
+                raise OSError(f"the file ends {entry.end - entry.begin - got} bytes early")
+            return data.view(_DTYPES[entry.dtype]).view(entry.shape)
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"{entry.path}: tensor '{name}' cannot be read ({exc})") from None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self._where:
+        for name in self._entries:
             yield name, self.get(name)
 
     def close(self) -> None:
-        self._stack.close()
+        """Nothing is held open; kept so `with SafetensorsCheckpoint(...)` reads as it always did."""
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from cpuserve.model.checkpoint import SafetensorsCheckpoint
-from cpuserve.model.config import ModelSpec, load_spec
+from cpuserve.model.config import ModelSpec
 from cpuserve.model.loader import resolve_dtype
+from cpuserve.model.source import ModelSource
 from cpuserve.platform.machine import Machine
 from cpuserve.platform.overrides import Overrides
 from cpuserve.platform.plan import MemoryPlan, plan_memory
@@ -22,14 +22,13 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 INT_BYTES = {"I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
 
-def model_facts(model_dir: Path, dtype: str) -> tuple[ModelSpec, torch.dtype, dict[str, Any]]:
+def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch.dtype, dict[str, Any]]:
     """Spec, compute dtype and size facts, from config and safetensors headers (no weights read)."""
-    spec = load_spec(model_dir)
+    source = ModelSource.of(model)
+    model_dir, spec, qc = source.model_dir, source.spec, source.quant_config
     compute = resolve_dtype(dtype, spec)
-    source = str(model_dir / "config.json")
-    qc = QuantConfig.from_hf(spec.quantization_config, source) if spec.quantization_config else None
     elem = torch.empty((), dtype=compute).element_size()
-    with SafetensorsCheckpoint(model_dir) as ckpt:
+    with source.checkpoint as ckpt:
         params, weight_bytes, native_bytes = 0, 0, 0
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())

@@ -16,11 +16,11 @@ import torch
 from tqdm import tqdm
 
 from cpuserve.errors import CheckpointError, ConfigError
-from cpuserve.model.checkpoint import SafetensorsCheckpoint
-from cpuserve.model.config import ModelSpec, load_spec
+from cpuserve.model.config import ModelSpec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
-from cpuserve.quant.config import QuantConfig, WeightQuant
+from cpuserve.model.source import ModelSource
+from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.linear import Linear
 from cpuserve.quant.methods import IntWeightMethod, KernelChoice, fetch_float, select_kernel
 from cpuserve.quant.rtn import quantize_weight_in_chunks
@@ -85,20 +85,20 @@ def _shard_prefixes(model: CausalLM, name: str) -> list[str]:
 
 
 def load_model(
-    model_dir: Path,
+    model: Path | ModelSource,
     dtype: str = "auto",
     progress: bool = False,
     quantize_lm_head: str | None = None,
     fuse: bool = True,
-    spec: ModelSpec | None = None,
 ) -> CausalLM:
-    """Load config and weights; raise CheckpointError naming the tensor on any mismatch. With fuse,
-    q/k/v and gate/up become one linear each where their methods agree; tools that need the
-    checkpoint's modules one by one (calibration, per-layer tests) pass fuse=False."""
-    spec = spec or load_spec(model_dir)
+    """Load config and weights (a directory, or a ModelSource already read at start); raise
+    CheckpointError naming the tensor on any mismatch. With fuse, q/k/v and gate/up become one
+    linear each where their methods agree; tools that need the checkpoint's modules one by one
+    (calibration, per-layer tests) pass fuse=False."""
+    src = ModelSource.of(model)
+    model_dir, spec, qc = src.model_dir, src.spec, src.quant_config
     torch_dtype = resolve_dtype(dtype, spec)
     source = str(model_dir / "config.json")
-    qc = QuantConfig.from_hf(spec.quantization_config, source) if spec.quantization_config else None
     if quantize_lm_head is not None:
         lm_head_quant(quantize_lm_head, spec.hidden_size)  # refuse a bad kind before reading anything
     factory = LinearFactory(torch_dtype, qc, fuse, spec.tie_word_embeddings, source)
@@ -124,7 +124,7 @@ def load_model(
     kernel = select_kernel() if qc is not None or quantize_lm_head else None
 
     state: dict[str, torch.Tensor] = {}
-    with SafetensorsCheckpoint(model_dir) as ckpt:
+    with src.checkpoint as ckpt:
         missing = [n for n in [*expected, *linear_tensors] if n not in ckpt]
         if missing:
             raise CheckpointError(

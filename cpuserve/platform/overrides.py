@@ -18,6 +18,8 @@ KVCACHE_SPACE = ("CPUSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
 THREADS_BIND = ("CPUSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND")
 NUM_THREADS = ("CPUSERVE_NUM_THREADS", "OMP_NUM_THREADS")
 KERNEL_VARIANT = ("CPUSERVE_KERNEL_VARIANT",)
+QUANTIZE_LM_HEAD = ("CPUSERVE_QUANTIZE_LM_HEAD",)
+LM_HEAD_KINDS = ("int8", "int4")
 NOT_NEEDED = {
     "FLAGGEMS_VENDOR": "CPU features are detected",
     "TRITON_CPU_BACKEND": "no Triton: kernels are precompiled",
@@ -35,6 +37,7 @@ class Overrides:
     bind_cpus: tuple[int, ...] = ()
     num_threads: int | None = None
     kernel_variant: str | None = None
+    quantize_lm_head: str | None = None  # "int8" | "int4": the output head quantized at load
     sources: dict[str, str] = field(default_factory=dict)  # setting -> "NAME=value" it came from
     not_needed: dict[str, str] = field(default_factory=dict)  # NAME=value -> why
 
@@ -89,6 +92,12 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
     if picked := _pick(env, KERNEL_VARIANT):
         variant = picked[1]
         sources["kernel"] = f"{picked[0]}={variant}"
+    lm_head = None
+    if picked := _pick(env, QUANTIZE_LM_HEAD):
+        if picked[1] not in LM_HEAD_KINDS:
+            raise ConfigError(f"{picked[0]}={picked[1]!r}: expected one of {', '.join(LM_HEAD_KINDS)}")
+        lm_head = picked[1]
+        sources["lm_head"] = f"{picked[0]}={lm_head}"
     not_needed = {f"{k}={env[k]}": why for k, why in NOT_NEEDED.items() if k in env}
     return Overrides(
         kvcache_bytes=kv_bytes,
@@ -96,6 +105,7 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
         bind_cpus=bind_cpus or (),
         num_threads=num_threads,
         kernel_variant=variant,
+        quantize_lm_head=lm_head,
         sources=sources,
         not_needed=not_needed,
     )

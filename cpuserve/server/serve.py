@@ -159,15 +159,11 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
 
     from cpuserve.engine.async_engine import AsyncEngine
     from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
-    from cpuserve.model.footprint import model_facts
     from cpuserve.model.resolve import BUNDLED_NAME, resolve_model
     from cpuserve.server.app import ServerConfig, create_app
     from cpuserve.server.shutdown import HttpServer
 
     model_dir = resolve_model(args.model, args.cache_dir)
-    if args.quantize_lm_head:
-        os.environ["CPUSERVE_QUANTIZE_LM_HEAD"] = args.quantize_lm_head  # read by the loader
-    _, _, facts = model_facts(model_dir, args.dtype)
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -175,7 +171,8 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
     )
-    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides)
+    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
+    facts = engine.facts
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
     async_engine = AsyncEngine(engine, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
