@@ -40,3 +40,16 @@ def our_smol(smol_dir: Path):
     from cpuserve.model.loader import load_model
 
     return load_model(smol_dir, "float32")
+
+
+# Tests that need the real bundled model (or start a server, or run kernels under qemu) are slow:
+# `pytest -m "not slow"` is the fast subset a developer runs on every change.
+_SLOW_FIXTURES = {"smol_dir", "our_smol", "hf_smol", "cache_dir"}
+_SLOW_MODULES = {"test_arm_kernels", "test_api_fuzz", "test_server", "test_server_faults", "test_server_limits"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
