@@ -51,7 +51,7 @@ def _linear(module: nn.Module, kernels: Any) -> Any | None:
             return kernels.NativeLinear(1, weight, module.scales.view(-1), module.bias, module.variant)
         return kernels.NativeLinear(2, module.packed, module.kernel_scales, module.bias, module.variant)
     if type(module) is nn.Linear:
-        return kernels.NativeLinear(0, module.weight, torch.empty(0), module.bias, "")
+        return kernels.NativeLinear(0, module.weight, torch.empty(0), module.bias, None)
     return None
 
 
@@ -117,5 +117,6 @@ def decode(
         cache.slots,
         norm.weight,
         norm.eps,
+        ops._variant(),
     )
     return out.view(*input_ids.shape, -1)
