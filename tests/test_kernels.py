@@ -1,6 +1,7 @@
-"""Native kernels: every variant this CPU runs against its scalar twin and against the scheme's
-pure-torch reference. The integer sums are exact everywhere; W8A8 shares its float epilogue (so
-variants are bit-identical), W4A8's SIMD variants add the per-group products in vector lanes."""
+"""Native kernels: every variant this CPU runs against the scalar twin of its own layout (bit-identical,
+W4A8 included), against the generic row twin and against the scheme's pure-torch reference. The
+integer sums are exact everywhere; W8A8 shares its float epilogue (so all variants are bit-identical),
+W4A8's panel layout sums groups in its own float order (within REL_BUDGET of the row twin)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def kernels():
     return module
 
 
+def _runnable(kernels):
+    """The variants this CPU runs, as the table rows the kernels take (each equal to its name)."""
+    return [kernels.variant(name) for name in runnable_variants()]
+
+
 def test_this_machine_runs_at_least_one_simd_variant(kernels):
     variants = runnable_variants()
     assert variants[0] == "generic" and len(variants) >= 2, variants  # every x86-64 here has AVX2
@@ -46,18 +52,21 @@ def test_w4a8_variants_equal_the_twin_and_the_reference(kernels, n, k, group):
         pytest.skip("group does not divide K")
     q, s = _weights(4, group, n, k, n + k)
     packed = {}  # each variant's own int4 layout (x86: all offset nibbles; Arm NEON: two's complement)
-    for variant in runnable_variants():
+    for variant in _runnable(kernels):
         packed[variant] = kernels.pack_int4(q, variant)
         assert torch.equal(unpack_nibbles(packed[variant], k, kernels.int4_layout(variant)), q)
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(n, generator=gen)
     for m in MS:
         x = torch.randn(m, k, generator=gen) * 2
-        twin = kernels.w4a8_linear(x, packed["generic"], s, bias, "generic")
+        twin = kernels.w4a8_linear(x, packed["generic"], s, bias, kernels.variant("generic"))
         ref = reference_forward(x, q, s, bias)
         assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k, group)
-        for variant in runnable_variants()[1:]:
-            got = kernels.w4a8_linear(x, packed[variant], kernels.pack_scales(s, variant), bias, variant)
+        for variant in _runnable(kernels)[1:]:
+            scales = kernels.pack_scales(s, variant)
+            got = kernels.w4a8_linear(x, packed[variant], scales, bias, variant)
+            own = kernels.w4a8_linear(x, packed[variant], scales, bias, variant.twin)  # same bytes, scalar
+            assert torch.equal(got, own), (variant, variant.twin, m, n)
             assert (got - twin).abs().max().item() <= REL_BUDGET * twin.abs().max().item() + 1e-6, (variant, m, n)
 
 
@@ -67,23 +76,25 @@ def test_w8a8_variants_equal_the_twin_and_the_reference(kernels, n, k):
     q, s = _weights(8, None, n, k, n * k)
     q[0, :4] = torch.tensor([-128, 127, -127, 0], dtype=torch.int8)  # the extremes of both layouts
     weights = {}  # each variant's own layout (AVX-512 VNNI: uint8 w + 128 panels; AVX2: int8 panels; rows)
-    for variant in runnable_variants():
+    for variant in _runnable(kernels):
         weights[variant] = kernels.pack_int8(q, variant)
         assert torch.equal(unpack_int8(weights[variant], k, kernels.int8_layout(variant)), q), variant
     gen = torch.Generator().manual_seed(2)
     for m in MS:
         x = torch.randn(m, k, generator=gen) * 2
-        twin = kernels.w8a8_linear(x, weights["generic"], s.view(-1), None, "generic")
+        twin = kernels.w8a8_linear(x, weights["generic"], s.view(-1), None, kernels.variant("generic"))
         ref = reference_forward(x, q, s, None)
         assert (twin - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6, (m, n, k)
-        for variant in runnable_variants()[1:]:
+        for variant in _runnable(kernels)[1:]:
             got = kernels.w8a8_linear(x, weights[variant], s.view(-1), None, variant)
             assert torch.equal(got, twin), (variant, m, n, k)  # exact integer sums, the same epilogue
+            own = kernels.w8a8_linear(x, weights[variant], s.view(-1), None, variant.twin)
+            assert torch.equal(own, twin), (variant.twin, m, n, k)
 
 
 def test_w8a8_refuses_a_weight_in_another_variants_layout(kernels):
     _, s = _weights(8, None, 8, 128, 3)
-    for variant in runnable_variants():
+    for variant in _runnable(kernels):
         signed = kernels.int8_layout(variant) in ("signed", "signed_panel")
         other = torch.empty(8, 128, dtype=torch.uint8 if signed else torch.int8)
         with pytest.raises(RuntimeError, match="as pack_int8 gives it"):
@@ -93,7 +104,7 @@ def test_w8a8_refuses_a_weight_in_another_variants_layout(kernels):
 def test_bf16_activations_in_and_out(kernels):
     q, s = _weights(4, 64, 64, 576, 5)
     x = torch.randn(3, 576).to(torch.bfloat16)
-    variant = runnable_variants()[-1]
+    variant = _runnable(kernels)[-1]
     out = kernels.w4a8_linear(x, kernels.pack_int4(q, variant), kernels.pack_scales(s, variant), None, variant)
     assert out.dtype == torch.bfloat16
     ref = reference_forward(x.float(), q, s, None)
@@ -119,7 +130,7 @@ def test_model_greedy_tokens_native_equal_reference(smol_dir, tmp_path, monkeypa
         monkeypatch.setenv("CPUSERVE_ISA", isa)
         selected_variant.cache_clear()
         model = load_model(path, "float32")
-        kinds = {m.variant for m in model.modules() if isinstance(m, Linear) and m.quant is not None}
+        kinds = {str(m.variant) for m in model.modules() if isinstance(m, Linear) and m.quant is not None}
         assert kinds == {isa}, kinds
         outputs[isa] = list(generate_ids(model, ids, SimpleSampling(max_tokens=32)))
     selected_variant.cache_clear()
@@ -130,7 +141,7 @@ def test_pack_quantized_words_go_straight_to_the_kernel_layout(kernels):
     from cpuserve.quant.packing import pack_int
 
     q = torch.randint(-8, 8, (37, 576), dtype=torch.int8, generator=torch.Generator().manual_seed(4))
-    for variant in runnable_variants():
+    for variant in _runnable(kernels):
         nibbles = kernels.words_to_nibbles(pack_int(q, 4), 576, variant)
         layout = kernels.int4_layout(variant)
         assert torch.equal(nibbles, kernels.pack_int4(q, variant))
@@ -170,7 +181,7 @@ def test_unpack_reads_the_panel_layouts():
     assert torch.equal(unpack_int8(b8.view(n, k), k - 2, "offset_panel"), q8)
     assert torch.equal(unpack_int8(signed.view(n, k), k - 2, "signed_panel"), q8)
     kernels = native()
-    for variant in runnable_variants():
+    for variant in _runnable(kernels):
         if kernels.int4_layout(variant) == "offset_panel":
             assert torch.equal(kernels.pack_int4(q4, variant).view(-1), b4), variant
         want8 = {"offset_panel": b8, "signed_panel": signed}.get(kernels.int8_layout(variant))
@@ -182,7 +193,7 @@ def test_one_openmp_runtime_in_the_process(kernels):
     """The kernels link libgomp.so.1, the soname torch already loaded: no second OpenMP pool."""
     torch.ones(1000, 1000).sum()  # torch's pool is up
     q, s = _weights(8, None, 64, 256, 9)
-    variant = runnable_variants()[-1]
+    variant = _runnable(kernels)[-1]
     kernels.w8a8_linear(torch.randn(4, 256), kernels.pack_int8(q, variant), s.view(-1), None, variant)
     with open("/proc/self/maps") as maps:
         gomp = {line.split()[-1] for line in maps if "libgomp" in line}
@@ -200,3 +211,18 @@ def test_the_kernel_and_the_platform_layer_choose_the_same_variant(kernels, monk
         assert kernels.best_variant() == selected_variant()
     finally:
         selected_variant.cache_clear()
+
+
+def test_the_kernel_and_the_platform_layer_agree_on_every_variant(kernels):
+    """Variant by variant: the kernel's detector says it runs here exactly when the platform does."""
+    platform = set(runnable_variants())
+    for name in kernels.variants():
+        assert kernels.variant(name).runs_here == (name in platform), name
+
+
+def test_a_variant_is_one_table_row_equal_to_its_name(kernels):
+    v = kernels.variant("generic")
+    assert v is kernels.variant("generic") and v == "generic" and str(v) == "generic" and v != "avx2"
+    assert {v} == {"generic"} and v.twin == v and v != None  # noqa: E711
+    with pytest.raises(RuntimeError, match="no variant 'sve2_i8mm'"):
+        kernels.variant("sve2_i8mm")

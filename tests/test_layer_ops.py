@@ -12,12 +12,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpuserve.kernels import native
+from cpuserve.kernels import native, selected_variant
 from cpuserve.model import ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP32_REL = 2e-6
 LOW_PRECISION_REL = 2.0**-7  # one bf16 step relative, with margin for values that straddle a step
+
+
+@pytest.fixture(autouse=True)
+def _fresh_variant():
+    """CPUSERVE_ISA is read once per selection: tests that set it start and end with a fresh one."""
+    selected_variant.cache_clear()
+    yield
+    selected_variant.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def test_rms_norm(kernels, dtype, shape):
     gen = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(shape, generator=gen) * 3).to(dtype)
     w = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(dtype)
-    _close(kernels.rms_norm(x, w, 1e-5), ops.rms_norm_reference(x, w, 1e-5), dtype)
+    _close(kernels.rms_norm(x, w, 1e-5, ops._variant()), ops.rms_norm_reference(x, w, 1e-5), dtype)
 
 
 def test_rms_norm_of_a_strided_view_reads_the_view(kernels):
@@ -54,7 +62,7 @@ def test_rms_norm_of_a_strided_view_reads_the_view(kernels):
     qkv = torch.randn(6, 3 * 128, generator=gen)
     q = qkv[:, :256].reshape(6, 2, 128)  # not contiguous: rows of 384
     w = torch.rand(128, generator=gen)
-    _close(kernels.rms_norm(q, w, 1e-6), ops.rms_norm_reference(q, w, 1e-6), torch.float32)
+    _close(kernels.rms_norm(q, w, 1e-6, ops._variant()), ops.rms_norm_reference(q, w, 1e-6), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,7 +72,7 @@ def test_add_rms_norm(kernels, dtype, scale):
     h = (torch.randn(5, 960, generator=gen) * 4).to(dtype)
     d = torch.randn(5, 960, generator=gen).to(dtype)
     w = (1 + 0.1 * torch.randn(960, generator=gen)).to(dtype)
-    total, normed = kernels.add_rms_norm(h, d, scale, w, 1e-5)
+    total, normed = kernels.add_rms_norm(h, d, scale, w, 1e-5, ops._variant())
     want_total, want_normed = ops.add_rms_norm_reference(h, d, scale, w, 1e-5)
     assert torch.equal(total, want_total)  # elementwise, rounded where the reference rounds
     _close(normed, want_normed, dtype)
@@ -107,7 +115,7 @@ def test_silu_mul(kernels, dtype):
     gate_up = (torch.randn(2, 3, 2 * 1536, generator=gen) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)  # strided halves of one buffer, as the fused projection gives
     _close(ops.silu_mul(gate, up), ops.silu_mul_reference(gate, up), dtype)
-    _close(kernels.silu_mul(gate[0], up[0]), ops.silu_mul_reference(gate[0], up[0]), dtype)
+    _close(kernels.silu_mul(gate[0], up[0], ops._variant()), ops.silu_mul_reference(gate[0], up[0]), dtype)
 
 
 def _sdpa(q, k, v):
@@ -172,12 +180,18 @@ def test_contiguous_decode_attention_equals_sdpa(kernels, monkeypatch, dtype, bu
 
 def test_bad_shapes_are_refused_with_a_message(kernels):
     with pytest.raises(RuntimeError, match="weight must have 8 values"):
-        kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+        kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6, ops._variant())
     with pytest.raises(RuntimeError, match="dtypes differ"):
-        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), 1.0, torch.ones(8), 1e-6)
+        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), 1.0, torch.ones(8), 1e-6, ops._variant())
     with pytest.raises(RuntimeError, match="at least one cached token"):
         kernels.decode_attention(
-            torch.randn(1, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), None, torch.tensor([0]), 1.0
+            torch.randn(1, 2, 8),
+            torch.randn(1, 4, 2, 8),
+            torch.randn(1, 4, 2, 8),
+            None,
+            torch.tensor([0]),
+            1.0,
+            ops._variant(),
         )
 
 
@@ -240,13 +254,17 @@ def test_both_attention_paths_run_here(kernels, monkeypatch):
     from cpuserve.kernels import runnable_variants
 
     if "avx512_vnni" not in runnable_variants():
-        pytest.skip("no AVX-512 here: only the portable path exists")
+        pytest.skip("this CPU lacks AVX-512 VNNI: only the portable attention runs here")
     gen = torch.Generator().manual_seed(12)
     q = torch.randn(1, 8, 128, generator=gen)
     k, v = torch.randn(1, 300, 2, 128, generator=gen), torch.randn(1, 300, 2, 128, generator=gen)
     lengths = torch.tensor([300])
-    fast = kernels.decode_attention(q, k, v, None, lengths, 128**-0.5)
+    fast = ops.decode_attention_contiguous(q, k.transpose(1, 2), v.transpose(1, 2))
     monkeypatch.setenv("CPUSERVE_ISA", "generic")
-    portable = kernels.decode_attention(q, k, v, None, lengths, 128**-0.5)
+    selected_variant.cache_clear()
+    portable = ops.decode_attention_contiguous(q, k.transpose(1, 2), v.transpose(1, 2))
+    assert torch.equal(
+        portable, kernels.decode_attention(q, k, v, None, lengths, 128**-0.5, kernels.variant("generic"))
+    )
     assert not torch.equal(fast, portable)
     assert (fast - portable).abs().max() <= 2e-6

@@ -28,8 +28,9 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                if node.level:  # relative: from the module's package, one level up per extra dot
+                    parts = package.split(".")
+                    base = ".".join([*parts[: len(parts) - node.level + 1], base]).strip(".")
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             for t in targets:
                 while t and t not in modules:
@@ -75,3 +76,10 @@ def test_the_offline_tools_sit_above_the_runtime():
     runtime = [m for m in graph if m.startswith(("cpuserve.quant", "cpuserve.engine", "cpuserve.kernels"))]
     for m in runtime:
         assert not any(t.startswith("cpuserve.offline") for t in graph[m]), (m, graph[m])
+
+
+def test_the_native_kernels_read_no_environment():
+    """The variant is chosen once in Python and passed down: no getenv anywhere in the C++ sources."""
+    sources = [p for p in (ROOT / "kernels" / "csrc").rglob("*") if p.suffix in (".h", ".cpp")]
+    assert sources
+    assert [p.name for p in sources if "getenv" in p.read_text()] == []

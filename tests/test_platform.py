@@ -57,7 +57,8 @@ def test_cix_p1_uses_exactly_the_eight_big_cores():
     assert sorted(m.cpu.little) == [2, 3, 4, 5] and "Cortex-A520" in m.cpu.little_reason
     plan = threads("cix_p1")
     assert plan.cpus == (0, 1, 6, 7, 8, 9, 10, 11) and plan.count == 8
-    assert plan_kernel(m.cpu, read_overrides({})).variant == "sve2_i8mm"
+    # SVE2 + I8MM: the NEON I8MM variant (SVE2 at 128 bits brings no wider dot products, plan.py).
+    assert plan_kernel(m.cpu, read_overrides({})).variant == "neon_i8mm"
 
 
 def test_cix_p1_without_part_numbers_falls_back_to_capacity(tmp_path):
@@ -134,7 +135,9 @@ def test_kv_cache_is_never_a_fraction_of_total():
         ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0': expected a whole number of threads >= 1"),
         ({"OMP_NUM_THREADS": "8"}, "OMP_NUM_THREADS=8 asks for 8 threads but this process may use 2 CPUs"),
         ({"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "2"}, "asks for more threads than"),
-        ({"CPUSERVE_KERNEL_VARIANT": "sve2_i8mm"}, "this CPU supports avx512_vnni, avx2, scalar"),
+        ({"CPUSERVE_ISA": "neon_i8mm"}, "CPUSERVE_ISA=neon_i8mm: this CPU supports avx512_vnni, avx2, generic"),
+        ({"CPUSERVE_ISA": "scalar"}, "choose one of those or reference"),
+        ({"CPUSERVE_KERNEL_VARIANT": "avx2"}, "CPUSERVE_KERNEL_VARIANT was replaced by CPUSERVE_ISA"),
     ],
 )
 def test_bad_thread_and_kernel_overrides(env, message):
@@ -143,6 +146,25 @@ def test_bad_thread_and_kernel_overrides(env, message):
         ov = read_overrides(env)
         plan_threads(m.cpu, m.resources, ov)
         plan_kernel(m.cpu, ov)
+
+
+def test_isa_override_names_a_supported_variant_or_reference():
+    m = machine("x86_epyc_2core")
+    for isa in ("avx2", "generic", "reference"):
+        plan = plan_kernel(m.cpu, read_overrides({"CPUSERVE_ISA": isa}))
+        assert plan.variant == isa and plan.reason == f"CPUSERVE_ISA={isa}"
+
+
+def test_avx_vnni_without_avx512_and_with_it():
+    """Alder Lake / Zen 5 client style (AVX-VNNI, no AVX-512): avx_vnni; with AVX-512 too: avx512_vnni."""
+    from dataclasses import replace
+
+    m = machine("x86_epyc_2core")
+    client = replace(m.cpu, features=frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    assert plan_kernel(client, read_overrides({})).variant == "avx_vnni"
+    assert plan_kernel(client, read_overrides({})).supported == ("avx_vnni", "avx2", "generic")
+    both = replace(m.cpu, features=m.cpu.features | {"avx_vnni"})
+    assert plan_kernel(both, read_overrides({})).variant == "avx512_vnni"
 
 
 def test_good_thread_overrides():

@@ -1,5 +1,11 @@
 """Native kernels: built once by the set-up step (`python -m cpuserve.kernels.build`), loaded here
-without ever compiling; absent kernels mean the pure-torch reference path, said once in the log."""
+without ever compiling; absent kernels mean the pure-torch reference path, said once in the log.
+
+The variant is chosen once (`selected_variant`): the platform layer's choice for this CPU, or
+CPUSERVE_ISA, validated there (platform/overrides.py, platform/plan.py). Its name is resolved to a
+row of the kernels' variant table (`native().variant(name)`, a `Variant` that equals its name), and
+that row is what the quantized linears (KernelChoice), NativeLinear, the float ops and decode attention pass to every native
+call: nothing below looks a variant up by name, or reads the environment."""
 
 from __future__ import annotations
 
@@ -9,15 +15,9 @@ import logging
 import os
 from functools import cache
 from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
-
-# Compiled variant names, best first per architecture; "reference" means the pure-torch scheme.
-VARIANTS = ("avx512_vnni", "avx2", "neon_i8mm", "neon_dotprod", "neon", "generic")
-# Platform-layer names (platform/plan.py) -> the kernel that serves them. AVX-VNNI runs the AVX2
-# kernels; SVE2 cores run the NEON I8MM kernels: on the cores we target (Cortex-A720/A520, Neoverse
-# V2) SVE's vector length is 128 bits, NEON's, so SVE2 brings no wider dot products (docs/kernels.md).
-PLATFORM_TO_KERNEL = {"avx_vnni": "avx2", "sve2_i8mm": "neon_i8mm", "scalar": "generic"}
 
 
 @cache
@@ -37,26 +37,26 @@ def native() -> ModuleType | None:
     return module
 
 
-@cache
-def selected_variant() -> str:
-    """CPUSERVE_ISA if set (a name in VARIANTS, or reference), else the platform's choice."""
-    override = os.environ.get("CPUSERVE_ISA")
-    if override:
-        if override not in (*VARIANTS, "reference"):
-            from cpuserve.errors import ConfigError
-
-            raise ConfigError(f"CPUSERVE_ISA={override!r}: expected one of {', '.join((*VARIANTS, 'reference'))}")
-        return override
+def selected_variant_name() -> str:
+    """CPUSERVE_ISA if set (a variant this CPU supports, or reference), else the platform's choice."""
     from cpuserve.platform.machine import detect_machine
     from cpuserve.platform.overrides import read_overrides
     from cpuserve.platform.plan import plan_kernel
 
-    chosen = plan_kernel(detect_machine().cpu, read_overrides(os.environ)).variant
-    return PLATFORM_TO_KERNEL.get(chosen, chosen if chosen in VARIANTS else "generic")
+    return plan_kernel(detect_machine().cpu, read_overrides(os.environ)).variant
+
+
+@cache
+def selected_variant() -> Any:
+    """The chosen variant's table row (a `Variant`, equal to its name) when the kernels are built;
+    else its name ("reference" included). Resolved once; tests that switch CPUSERVE_ISA clear it."""
+    name = selected_variant_name()
+    module = native() if name != "reference" else None
+    return module.variant(name) if module is not None else name
 
 
 def runnable_variants() -> list[str]:
-    """The compiled variants this CPU can execute (generic always)."""
+    """The compiled variants this CPU can execute (generic always), by the platform layer's view."""
     from cpuserve.platform.machine import detect_machine
     from cpuserve.platform.plan import KERNEL_VARIANTS
 
@@ -65,5 +65,4 @@ def runnable_variants() -> list[str]:
         return []
     cpu = detect_machine().cpu
     supported = {name for name, needs in KERNEL_VARIANTS.get(cpu.arch, []) if needs <= cpu.features}
-    supported |= {PLATFORM_TO_KERNEL[name] for name in supported if name in PLATFORM_TO_KERNEL}
     return [v for v in module.variants() if v == "generic" or v in supported]

@@ -9,10 +9,17 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [
-    HERE / "csrc" / name
-    for name in ("qlinear.cpp", "qlinear_core.h", "qlinear_panels.h", "layer_ops.cpp", "decoder_layers.cpp", "ops.h")
-]
+CSRC = HERE / "csrc"
+# The torch bindings; everything else under csrc/ is the torch-free core (common code, the generic
+# twins, arch/x86 and arch/arm: each arch's files compile to nothing on the other), which
+# kernel_check.cpp links too. Every source is hashed, so a new arch file needs no entry here.
+BINDINGS = ("qlinear.cpp", "layer_ops.cpp", "decoder_layers.cpp")
+CHECK = "kernel_check.cpp"
+# What the library is built from, and hashed (kernel_check.cpp is not part of it).
+SOURCES = sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".h") and p.name != CHECK)
+CORE = [p for p in SOURCES if p.suffix == ".cpp" and p.name not in BINDINGS]
+# torch's extension build names each object after its file: the names must differ across folders.
+assert len({p.name for p in CORE}) == len(CORE), "csrc/: two .cpp files share a name"
 # No fused multiply-add contraction of scalar code: the twins' float order is part of the contract.
 CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"]
 BUILD_DIR = HERE / "_build"
@@ -24,6 +31,7 @@ def _key() -> str:
 
     h = hashlib.sha256()
     for src in SOURCES:
+        h.update(str(src.relative_to(CSRC)).encode())
         h.update(src.read_bytes())
     h.update(importlib.metadata.version("torch").encode())
     h.update(platform.machine().encode())
@@ -50,7 +58,7 @@ def build(verbose: bool = False) -> Path:
     print(f"[setup] compiling native kernels into {out.relative_to(HERE.parent.parent)} (once)", file=sys.stderr)
     load(
         name=library_name(),
-        sources=[str(s) for s in SOURCES if s.suffix == ".cpp"],
+        sources=[str(CSRC / name) for name in BINDINGS] + [str(s) for s in CORE],
         build_directory=str(out),
         # torch's own libgomp has the same soname, so the loader reuses it: one OpenMP runtime.
         extra_cflags=CFLAGS,

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-CSRC = Path(__file__).parent / "csrc"
+from cpuserve.kernels.build import BINDINGS, CHECK, CORE, CSRC
+
 QEMU_CPUS = {"max": "neon_i8mm", "neoverse-n1": "neon_dotprod", "cortex-a53": "neon"}
 # GCC 12's AVX-512 headers trip -Wuninitialized on their own placeholders; nothing of ours.
 FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
@@ -26,13 +27,15 @@ def cross_tools() -> dict[str, str | None]:
 
 
 def build_check(out_dir: Path, target: str = "native") -> Path:
-    """Compile kernel_check.cpp for `native` or `aarch64` (static, so qemu needs no sysroot)."""
+    """Compile kernel_check.cpp with the torch-free core (the driver, the variant table, both arches'
+    files) for `native` or `aarch64` (static, so qemu needs no sysroot)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     binary = out_dir / f"kernel_check-{target}"
+    sources = [str(CSRC / CHECK), *(str(s) for s in CORE)]
     if target == "native":
-        cmd = ["g++", *FLAGS, "-o", str(binary), str(CSRC / "kernel_check.cpp")]
+        cmd = ["g++", *FLAGS, "-o", str(binary), *sources]
     elif target == "aarch64":
-        cmd = ["aarch64-linux-gnu-g++", *FLAGS, "-static", "-o", str(binary), str(CSRC / "kernel_check.cpp")]
+        cmd = ["aarch64-linux-gnu-g++", *FLAGS, "-static", "-o", str(binary), *sources]
     else:
         raise ValueError(f"target {target!r}: native or aarch64")
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -40,7 +43,7 @@ def build_check(out_dir: Path, target: str = "native") -> Path:
 
 
 def compile_binding_for_aarch64() -> subprocess.CompletedProcess:
-    """Compile (syntax and semantics, no object) the torch bindings (qlinear.cpp, layer_ops.cpp) for
+    """Compile (syntax and semantics, no object) the torch bindings (qlinear.cpp, layer_ops.cpp, ...) for
     aarch64 against this torch's headers: the same sources `./run setup` builds on an Arm machine."""
     import sysconfig
 
@@ -55,9 +58,7 @@ def compile_binding_for_aarch64() -> subprocess.CompletedProcess:
         "-DTORCH_EXTENSION_NAME=cpuserve_kernels",
         *(f"-I{p}" for p in include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
-        str(CSRC / "qlinear.cpp"),
-        str(CSRC / "layer_ops.cpp"),
-        str(CSRC / "decoder_layers.cpp"),
+        *(str(CSRC / name) for name in BINDINGS),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 

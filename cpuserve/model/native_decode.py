@@ -108,5 +108,6 @@ def decode(
         cache.slots,
         norm.weight,
         norm.eps,
+        ops._variant(),
     )
     return out.view(*input_ids.shape, -1)

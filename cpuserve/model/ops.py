@@ -4,7 +4,7 @@ SiLU-and-mul and single-query attention.
 Each op has its pure-torch reference here (`*_reference`) and a native twin (kernels/csrc/
 layer_ops.cpp) that does in one call what the reference does in 5-20 torch ops: on SmolLM2 those
 ops, not the matmuls, were most of a decode step. The native twin is used when the kernels are built,
-CPUSERVE_ISA is not `reference` and CPUSERVE_NATIVE_OPS is not 0 (for A/B measurements), for fp32,
+the selected variant is not `reference` and CPUSERVE_NATIVE_OPS is not 0 (for A/B measurements), for fp32,
 bf16 and fp16 tensors.
 """
 
@@ -29,10 +29,18 @@ def _module() -> ModuleType | None:
 
 
 def _native() -> ModuleType | None:
-    """The kernel module, unless the environment asks for torch (read at each call: tests switch)."""
-    if os.environ.get("CPUSERVE_NATIVE_OPS", "1") == "0" or os.environ.get("CPUSERVE_ISA") == "reference":
+    """The kernel module, unless CPUSERVE_NATIVE_OPS=0 (read at each call: tests switch) or the
+    selected variant is the pure-torch reference."""
+    if os.environ.get("CPUSERVE_NATIVE_OPS", "1") == "0" or _variant() == "reference":
         return None
     return _module()
+
+
+def _variant():  # type: ignore[no-untyped-def]
+    """The selected variant's table row, passed to every native op (resolved once)."""
+    from cpuserve.kernels import selected_variant
+
+    return selected_variant()
 
 
 def native_ops_enabled() -> bool:
@@ -97,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     module = _use_native(x, weight)
     if module is None or x.dtype != weight.dtype:
         return rms_norm_reference(x, weight, eps)
-    return module.rms_norm(x, weight, eps)
+    return module.rms_norm(x, weight, eps, _variant())
 
 
 def add_rms_norm(
@@ -107,7 +115,7 @@ def add_rms_norm(
     module = _use_native(h, delta, weight)
     if module is None or not (h.dtype == delta.dtype == weight.dtype) or h.shape != delta.shape:
         return add_rms_norm_reference(h, delta, scale, weight, eps)
-    total, normed = module.add_rms_norm(h, delta, scale, weight, eps)
+    total, normed = module.add_rms_norm(h, delta, scale, weight, eps, _variant())
     return total, normed
 
 
@@ -123,7 +131,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     lead = q.shape[:-2]  # cos/sin may be [T, D] for a [B, T] batch: one table row per token
     c, s = cos.expand(*lead, d).reshape(-1, d), sin.expand(*lead, d).reshape(-1, d)
     for x in flat:
-        module.rope_(x, c, s)
+        module.rope_(x, c, s, _variant())
     return q, k
 
 
@@ -151,7 +159,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g, u = gate.view(-1, size), up.view(-1, size)
     except RuntimeError:
         return silu_mul_reference(gate, up)
-    return module.silu_mul(g, u).view(gate.shape)
+    return module.silu_mul(g, u, _variant()).view(gate.shape)
 
 
 def decode_attention_contiguous(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -161,7 +169,7 @@ def decode_attention_contiguous(q: torch.Tensor, keys: torch.Tensor, values: tor
         return decode_attention_reference(q, keys, values)
     b, _, length, d = keys.shape
     lengths = torch.full((b,), length, dtype=torch.long)
-    return module.decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), None, lengths, d**-0.5)
+    return module.decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), None, lengths, d**-0.5, _variant())
 
 
 def decode_attention_paged(
@@ -181,4 +189,6 @@ def decode_attention_paged(
         values = value_cache[slots.view(-1)].view(n, length, *value_cache.shape[1:]).transpose(1, 2)
         return decode_attention_reference(q, keys, values, valid)
     d = q.shape[-1]
-    return module.decode_attention(q, key_cache.unsqueeze(0), value_cache.unsqueeze(0), slots, lengths, d**-0.5)
+    return module.decode_attention(
+        q, key_cache.unsqueeze(0), value_cache.unsqueeze(0), slots, lengths, d**-0.5, _variant()
+    )

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 KVCACHE_SPACE = ("CPUSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
 THREADS_BIND = ("CPUSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND")
 NUM_THREADS = ("CPUSERVE_NUM_THREADS", "OMP_NUM_THREADS")
-KERNEL_VARIANT = ("CPUSERVE_KERNEL_VARIANT",)
+ISA = ("CPUSERVE_ISA",)  # a kernel variant the CPU supports, or reference
+REPLACED = {"CPUSERVE_KERNEL_VARIANT": "CPUSERVE_ISA"}  # old name -> the one that replaced it
 QUANTIZE_LM_HEAD = ("CPUSERVE_QUANTIZE_LM_HEAD",)
 LM_HEAD_KINDS = ("int8", "int4")
 NOT_NEEDED = {
@@ -36,7 +37,7 @@ class Overrides:
     bind: str = "auto"  # "auto", "nobind" or "list"
     bind_cpus: tuple[int, ...] = ()
     num_threads: int | None = None
-    kernel_variant: str | None = None
+    kernel_variant: str | None = None  # CPUSERVE_ISA
     quantize_lm_head: str | None = None  # "int8" | "int4": the output head quantized at load
     sources: dict[str, str] = field(default_factory=dict)  # setting -> "NAME=value" it came from
     not_needed: dict[str, str] = field(default_factory=dict)  # NAME=value -> why
@@ -55,6 +56,9 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
     kv_bytes = bind_cpus = num_threads = variant = None
     bind = "auto"
     sources: dict[str, str] = {}
+    for old, new in REPLACED.items():
+        if _pick(env, (old,)):
+            raise ConfigError(f"{old} was replaced by {new}; set {new}={env[old].strip()} instead")
     if picked := _pick(env, KVCACHE_SPACE):
         name, value = picked
         try:
@@ -89,7 +93,7 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
             raise ConfigError(f"{name}={value!r}: expected a whole number of threads >= 1")
         num_threads = int(value)
         sources["threads"] = f"{name}={value}"
-    if picked := _pick(env, KERNEL_VARIANT):
+    if picked := _pick(env, ISA):
         variant = picked[1]
         sources["kernel"] = f"{picked[0]}={variant}"
     lm_head = None

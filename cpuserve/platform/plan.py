@@ -17,22 +17,27 @@ from cpuserve.platform.sysfs import format_cpulist
 GiB = 1024**3
 MiB = 1024**2
 
-# Best first: the first whose features the CPU has is chosen.
+# The kernels' variants (the same names as their variant table, kernels/csrc/variants.cpp) with the
+# /proc/cpuinfo flags each needs, best first: the first whose features the CPU has is chosen. The
+# kernel's own detector (csrc/arch/*/cpu_features_*.cpp) needs the same; a test checks they agree.
+# No SVE2 variant: on the cores we target (Cortex-A720/A520, Neoverse-N2/V2) SVE's vector length is
+# 128 bits, NEON's, and SVE2's int8 dot products are the same instructions at the same width, so
+# those CPUs run neon_i8mm (docs/kernels.md).
 KERNEL_VARIANTS: dict[str, list[tuple[str, frozenset[str]]]] = {
     "x86_64": [
-        ("avx512_vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+        ("avx512_vnni", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
         ("avx_vnni", frozenset({"avx2", "fma", "avx_vnni"})),
-        ("avx2", frozenset({"avx2", "fma", "f16c"})),
-        ("scalar", frozenset()),
+        ("avx2", frozenset({"avx2", "fma"})),
+        ("generic", frozenset()),
     ],
     "aarch64": [
-        ("sve2_i8mm", frozenset({"sve2", "i8mm"})),
         ("neon_i8mm", frozenset({"asimddp", "i8mm"})),
         ("neon_dotprod", frozenset({"asimddp"})),
         ("neon", frozenset({"asimd"})),
-        ("scalar", frozenset()),
+        ("generic", frozenset()),
     ],
 }
+REFERENCE = "reference"  # CPUSERVE_ISA=reference: the pure-torch linears and float ops
 
 
 @dataclass(frozen=True)
@@ -113,11 +118,13 @@ def plan_threads(cpu: CpuInfo, res: Resources, ov: Overrides) -> ThreadPlan:
 
 
 def plan_kernel(cpu: CpuInfo, ov: Overrides) -> KernelPlan:
-    variants = KERNEL_VARIANTS.get(cpu.arch, [("scalar", frozenset())])
+    variants = KERNEL_VARIANTS.get(cpu.arch, [("generic", frozenset())])
     supported = tuple(name for name, needs in variants if needs <= cpu.features)
     if ov.kernel_variant is not None:
-        if ov.kernel_variant not in supported:
-            raise ConfigError(f"{ov.sources['kernel']}: this CPU supports {', '.join(supported)}; choose one of those")
+        if ov.kernel_variant not in (*supported, REFERENCE):
+            raise ConfigError(
+                f"{ov.sources['kernel']}: this CPU supports {', '.join(supported)}; choose one of those or {REFERENCE}"
+            )
         return KernelPlan(ov.kernel_variant, supported, ov.sources["kernel"])
     best = supported[0]
     needs = dict(variants)[best]

@@ -131,7 +131,7 @@ class DenseMethod:
         return F.linear(x, layer.weight, layer.bias)
 
     def native_linear(self, layer: Any, kernels: Any) -> Any:
-        return kernels.NativeLinear(0, layer.weight, torch.empty(0), layer.bias, "")
+        return kernels.NativeLinear(0, layer.weight, torch.empty(0), layer.bias, None)
 
 
 class IntWeightMethod:

@@ -13,22 +13,22 @@
 
 namespace {
 
-// A linear as QuantLinear or nn.Linear holds it after loading: kind 0 float (torch's linear),
-// 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout).
+// A linear as its quant method holds it after loading (quant/methods.py): kind 0 float (torch's linear, no
+// variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout) of the variant it was packed for.
 struct Linear {
   int64_t kind;
   torch::Tensor weight, scales;
   c10::optional<torch::Tensor> bias;
-  std::string variant;
+  const Variant* variant;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case 0:
         return torch::linear(x, weight, bias);
       case 1:
-        return w8a8_linear(x, weight, scales, bias, variant);
+        return w8a8_linear(x, weight, scales, bias, *variant);
       default:
-        return w4a8_linear(x, weight, scales, bias, variant);
+        return w4a8_linear(x, weight, scales, bias, *variant);
     }
   }
 };
@@ -63,7 +63,11 @@ void store_kv(const torch::Tensor& cache, const torch::Tensor& x, const int64_t*
 void register_decoder_layers(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "NativeLinear")
-      .def(py::init<int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, std::string>(),
+      .def(py::init([](int64_t kind, torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> bias,
+                       const Variant* variant) {
+             TORCH_CHECK(kind == 0 || variant != nullptr, "NativeLinear: a quantized linear needs its variant");
+             return Linear{kind, weight, scales, bias, variant};
+           }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("variant"));
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
       .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
@@ -75,7 +79,8 @@ void register_decoder_layers(pybind11::module& mod) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
            py::arg("post_norm"), py::arg("eps"), py::arg("residual_scale"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"));
-  // h [T, H] embeddings of the new tokens -> final-norm hidden states [T, H].
+  // h [T, H] embeddings of the new tokens -> final-norm hidden states [T, H]; every float op and
+  // attention run as `variant` (the linears as the variant each was packed for).
   // k_caches / v_caches: per layer [B, S, Hkv, D] views of the cache; token t's K/V go to
   // [write_batch[t], write_pos[t]]; it attends to lengths[t] positions of batch t (slots: None) or of
   // batch 0 at slots[t, :] (the paged cache).
@@ -84,7 +89,7 @@ void register_decoder_layers(pybind11::module& mod) {
       [](const std::vector<std::shared_ptr<LayerPlan>>& plans, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
          const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
          torch::Tensor write_batch, torch::Tensor write_pos, torch::Tensor lengths,
-         c10::optional<torch::Tensor> slots, torch::Tensor final_norm, double final_eps) {
+         c10::optional<torch::Tensor> slots, torch::Tensor final_norm, double final_eps, const Variant& variant) {
         TORCH_CHECK(!plans.empty() && plans.size() == k_caches.size() && plans.size() == v_caches.size(),
                     "decode_layers: one plan and one cache per layer");
         TORCH_CHECK(h.dim() == 2, "decode_layers: h must be [T, H]");
@@ -93,7 +98,7 @@ void register_decoder_layers(pybind11::module& mod) {
         TORCH_CHECK(wb.numel() == t && wp.numel() == t, "decode_layers: one write position per token");
         const int64_t* wbp = wb.data_ptr<int64_t>();
         const int64_t* wpp = wp.data_ptr<int64_t>();
-        torch::Tensor normed = rms_norm(h, plans[0]->input_norm, plans[0]->eps);
+        torch::Tensor normed = rms_norm(h, plans[0]->input_norm, plans[0]->eps, variant);
         for (size_t i = 0; i < plans.size(); ++i) {
           const LayerPlan& p = *plans[i];
           const int64_t q_size = p.num_heads * p.head_dim, kv_size = p.num_kv_heads * p.head_dim;
@@ -101,21 +106,21 @@ void register_decoder_layers(pybind11::module& mod) {
           auto q = qkv.narrow(1, 0, q_size).view({t, p.num_heads, p.head_dim});
           auto k = qkv.narrow(1, q_size, kv_size).view({t, p.num_kv_heads, p.head_dim});
           auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, p.num_kv_heads, p.head_dim});
-          rope_(q, cos, sin);
-          rope_(k, cos, sin);
+          rope_(q, cos, sin, variant);
+          rope_(k, cos, sin, variant);
           const torch::Tensor& kc = k_caches[i];
           const torch::Tensor& vc = v_caches[i];
           store_kv(kc, k, wbp, wpp);
           store_kv(vc, v, wbp, wpp);
-          auto attn = decode_attention(q, kc, vc, slots, lengths, 1.0 / std::sqrt(double(p.head_dim)));
+          auto attn = decode_attention(q, kc, vc, slots, lengths, 1.0 / std::sqrt(double(p.head_dim)), variant);
           auto o = p.o(attn.view({t, q_size}));
-          auto mid = add_rms_norm(h, o, p.residual_scale, p.post_norm, p.eps);
+          auto mid = add_rms_norm(h, o, p.residual_scale, p.post_norm, p.eps, variant);
           auto gu = p.gate_up(mid[1]);
           const int64_t inter = gu.size(1) / 2;
-          auto down = p.down(silu_mul(gu.narrow(1, 0, inter), gu.narrow(1, inter, inter)));
+          auto down = p.down(silu_mul(gu.narrow(1, 0, inter), gu.narrow(1, inter, inter), variant));
           const bool last = i + 1 == plans.size();
           auto out = add_rms_norm(mid[0], down, p.residual_scale, last ? final_norm : plans[i + 1]->input_norm,
-                                  last ? final_eps : plans[i + 1]->eps);
+                                  last ? final_eps : plans[i + 1]->eps, variant);
           h = out[0];
           normed = out[1];
         }

@@ -1,20 +1,31 @@
 // The torch-level entry points of the native kernels (qlinear.cpp, layer_ops.cpp), declared once so
-// decoder_layers.cpp can chain them without going back to Python.
+// decoder_layers.cpp can chain them without going back to Python. Each takes the variant's table
+// row, resolved once in Python (kernels.variant(name)).
 #pragma once
 
 #include <torch/extension.h>
 
-#include <string>
 #include <vector>
 
+#include "float_types.h"
+#include "parallel.h"
+#include "variant.h"
+
+using cpk::Variant;
+
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, std::string variant);
+                          c10::optional<torch::Tensor> bias, const Variant& variant);
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, std::string variant);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+                          c10::optional<torch::Tensor> bias, const Variant& variant);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, double scale, torch::Tensor weight,
-                                        double eps);
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+                                        double eps, const Variant& variant);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const Variant& variant);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
-                               torch::Tensor lengths, double scale);
+                               torch::Tensor lengths, double scale, const Variant& variant);
+
+// torch's pinned OpenMP pool (at::parallel_for) as the kernels' Parallel: no second runtime.
+cpk::Parallel torch_parallel();
+// A tensor's float dtype for the torch-free code (fp32, bf16 or fp16; else an error naming `what`).
+cpk::DType float_dtype(const torch::Tensor& t, const char* what);

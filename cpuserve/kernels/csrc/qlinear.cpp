@@ -1,69 +1,35 @@
-// torch bindings of the kernel core (qlinear_core.h, qlinear_panels.h): tensors in and out, work split
-// over output columns (or panels of 16) with at::parallel_for, which is torch's own pinned OpenMP pool (no second runtime).
+// torch bindings of the quantized linears: tensors in and out, the work done by the torch-free
+// driver (linear_driver.h) on torch's thread pool; the weight layouts each variant needs; the
+// variant table as Python `Variant` objects, and its dispatch counters.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "linear_driver.h"
 #include "ops.h"
-#include "qlinear_core.h"
+#include "panel_layout.h"
+#include "row_layout.h"
+
+cpk::Parallel torch_parallel() {
+  return {at::get_num_threads(), [](int64_t begin, int64_t end, int64_t grain, cpk::RangeBody body) {
+            at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { body(b, e); });
+          }};
+}
+
+cpk::DType float_dtype(const torch::Tensor& t, const char* what) {
+  if (t.scalar_type() == torch::kFloat32) return cpk::DType::F32;
+  if (t.scalar_type() == torch::kBFloat16) return cpk::DType::Bf16;
+  TORCH_CHECK(t.scalar_type() == torch::kHalf, what, ": unsupported dtype ", t.scalar_type());
+  return cpk::DType::F16;
+}
 
 namespace {
 
-const cpk::Variant& variant_or_fail(const std::string& name) {
-  const cpk::Variant* v = cpk::variant_by_name(name);
-  TORCH_CHECK(v != nullptr, "cpuserve kernels: unknown or unsupported variant '", name, "'");
-  return *v;
+const char* int8_layout_name(cpk::Int8Layout l) {
+  return l == cpk::Int8Layout::OffsetPanels ? "offset_panel" : l == cpk::Int8Layout::SignedPanels ? "signed_panel" : "signed";
 }
-
-// A row as fp32: itself, or widened into buf.
-inline const float* widen(const float* row, int64_t, std::vector<float>&) { return row; }
-template <typename T>
-const float* widen(const T* row, int64_t k, std::vector<float>& buf) {
-  buf.resize(k);
-  for (int64_t i = 0; i < k; ++i) buf[i] = static_cast<float>(row[i]);
-  return buf.data();
-}
-
-// Per-token quantization of x [M, K] (fp32, bf16 or fp16, contiguous), rows shared out over the
-// pool; a 16-bit row is widened into a per-thread buffer first (no fp32 copy of the whole input).
-void quantize_rows(const torch::Tensor& x, int64_t group, int8_t* q, float* scales, int32_t* sums) {
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t groups = group > 0 ? k / group : 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> wide;
-      for (int64_t r = begin; r < end; ++r)
-        cpk::quantize_row(widen(xp + r * k, k, wide), k, group, q + r * k, scales + r,
-                          sums ? sums + r * groups : nullptr);
-    });
-  });
-}
-
-// One matmul's quantized activations, in buffers kept per calling thread and reused: a decode step
-// makes ~120 matmuls, and four tensor allocations each showed in its profile. Rows are readable 4
-// bytes past the last (the int8 panel kernel reads whole quads; the padded weights are zero there).
-struct Activations {
-  std::vector<int8_t> q;
-  std::vector<float> scales;
-  std::vector<int32_t> sums;
-};
-
-Activations& scratch(int64_t m, int64_t k, int64_t groups) {
-  thread_local Activations act;
-  act.q.resize(m * k + 4);
-  act.scales.resize(m);
-  act.sums.resize(m * groups);
-  return act;
-}
-
-// Output work shared out over the pool: panels for a panel variant, else columns.
-template <typename Work>
-void over_outputs(const cpk::Variant& v, int64_t n, const Work& work) {
-  if (v.panels)
-    at::parallel_for(0, cpk::panel_count(n), 1, work);
-  else
-    at::parallel_for(0, n, 16, work);
+const char* int4_layout_name(cpk::Int4Layout l) {
+  return l == cpk::Int4Layout::OffsetPanels ? "offset_panel" : l == cpk::Int4Layout::OffsetRows ? "offset" : "twos_complement";
 }
 
 // fp32 results [M, N] (+ bias) in the input's dtype: rounded once, as out.to(dtype) would.
@@ -88,41 +54,49 @@ torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias
   return result;
 }
 
+cpk::LinearInput input_of(const torch::Tensor& xc) {
+  return {xc.data_ptr(), float_dtype(xc, "linear input"), xc.size(0), xc.size(1)};
+}
+
 }  // namespace
 
-// x [M, K] (fp32 or bf16), weight as pack_int8 left it for the variant (int8 rows [N, K]; int8 or
-// uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N]: out [M, N] in x's dtype.
+// x [M, K] (fp32, bf16 or fp16), weight as pack_int8 left it for the variant (int8 rows [N, K]; int8
+// or uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N]: out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
+                          c10::optional<torch::Tensor> bias, const Variant& v) {
   auto xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0);
-  const bool offset = v.panels == cpk::kVnniPanels;  // uint8 w + 128: one activation sum per row corrects it
-  TORCH_CHECK(qweight.size(1) == (v.panels ? cpk::quad_k(k) : k) &&
+  const int64_t k = xc.size(1), n = qweight.size(0);
+  const bool offset = v.int8 == cpk::Int8Layout::OffsetPanels;
+  TORCH_CHECK(qweight.size(1) == (cpk::is_panels(v.int8) ? cpk::quad_k(k) : k) &&
                   qweight.scalar_type() == (offset ? torch::kUInt8 : torch::kInt8),
-              "w8a8_linear: the weight must be as pack_int8 gives it for ", variant);
-  Activations& act = scratch(m, k, 1);
-  quantize_rows(xc, offset ? k : 0, act.q.data(), act.scales.data(), offset ? act.sums.data() : nullptr);
-  auto out = torch::empty({m, n}, torch::kFloat32);
-  const int8_t* qa = act.q.data();
-  const float* sw = scales.data_ptr<float>();
-  const float* sap = act.scales.data();
-  const int32_t* asum = act.sums.data();
-  float* o = out.data_ptr<float>();
-  const void* w = qweight.data_ptr();
-  over_outputs(v, n, [&](int64_t begin, int64_t end) {
-    if (v.panels) return cpk::w8a8_panels(v, qa, sap, asum, m, k, static_cast<const uint8_t*>(w), sw, n, begin, end, o);
-    cpk::w8a8_columns(v, qa, sap, m, k, static_cast<const int8_t*>(w), sw, n, begin, end, o);
-  });
+              "w8a8_linear: the weight must be as pack_int8 gives it for ", v.name);
+  auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
+  cpk::w8a8_linear(v, torch_parallel(), input_of(xc), qweight.data_ptr(), scales.data_ptr<float>(), n,
+                   out.data_ptr<float>());
   return finish(out, bias, x.scalar_type());
 }
 
-// int8 [N, K] -> the variant's W8A8 weight: the same int8 (rows), int8 panels (AVX2) or uint8 w + 128
-// panels (AVX-512 VNNI), [N, quad_k(K)].
-torch::Tensor pack_int8(torch::Tensor q, std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
-  if (!v.panels) return q.contiguous();
-  const bool offset = v.panels == cpk::kVnniPanels;
+// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
+// gives them for the variant: out [M, N].
+torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          c10::optional<torch::Tensor> bias, const Variant& v) {
+  auto xc = x.contiguous();
+  const int64_t k = xc.size(1), n = packed.size(0), groups = scales.size(1);
+  const int64_t group = k / groups;
+  TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
+  auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
+  cpk::w4a8_linear(v, torch_parallel(), input_of(xc), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups,
+                   n, out.data_ptr<float>());
+  return finish(out, bias, x.scalar_type());
+}
+
+namespace {
+
+// int8 [N, K] -> the variant's W8A8 weight: the same int8 (rows), int8 panels (SignedPanels) or
+// uint8 w + 128 panels (OffsetPanels), [N, quad_k(K)].
+torch::Tensor pack_int8(torch::Tensor q, const Variant& v) {
+  if (!cpk::is_panels(v.int8)) return q.contiguous();
+  const bool offset = v.int8 == cpk::Int8Layout::OffsetPanels;
   auto src_t = q.contiguous();
   const int64_t n = q.size(0), k = q.size(1);
   auto out = torch::empty({n, cpk::quad_k(k)}, offset ? torch::kUInt8 : torch::kInt8);
@@ -134,40 +108,10 @@ torch::Tensor pack_int8(torch::Tensor q, std::string variant) {
   return out;
 }
 
-std::string int8_layout(std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
-  return v.panels == cpk::kVnniPanels ? "offset_panel" : v.panels ? "signed_panel" : "signed";
-}
-
-// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
-// gives them for the variant: out [M, N].
-torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
-  auto xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = packed.size(0), groups = scales.size(1);
-  const int64_t group = k / groups;
-  TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
-  Activations& act = scratch(m, k, groups);
-  quantize_rows(xc, group, act.q.data(), act.scales.data(), act.sums.data());
-  auto out = torch::empty({m, n}, torch::kFloat32);
-  const int8_t* qa = act.q.data();
-  const uint8_t* pw = packed.data_ptr<uint8_t>();
-  const float* sw = scales.data_ptr<float>();
-  const float* sap = act.scales.data();
-  const int32_t* gs = act.sums.data();
-  float* o = out.data_ptr<float>();
-  over_outputs(v, n, [&](int64_t begin, int64_t end) {
-    if (v.panels) return cpk::w4a8_panels(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
-    cpk::w4a8_columns(v, qa, sap, gs, m, k, pw, sw, groups, n, begin, end, o);
-  });
-  return finish(out, bias, x.scalar_type());
-}
-
 // W4A8 scales fp32 [N, G] in the variant's order: as they are, or in panel order.
-torch::Tensor pack_scales(torch::Tensor scales, std::string variant) {
+torch::Tensor pack_scales(torch::Tensor scales, const Variant& v) {
   auto src_t = scales.to(torch::kFloat32).contiguous();
-  if (!variant_or_fail(variant).panels) return src_t;
+  if (!cpk::is_panels(v.int4)) return src_t;
   const int64_t n = scales.size(0), groups = scales.size(1);
   auto out = torch::empty({n, groups}, torch::kFloat32);
   const float* src = src_t.data_ptr<float>();
@@ -181,10 +125,10 @@ torch::Tensor pack_scales(torch::Tensor scales, std::string variant) {
 // [N, K / 2] uint8 in the variant's int4 layout; nibble(c, i) reads column c's input i as an offset
 // nibble (w + 8), row(c, dst) packs one row in a row layout.
 template <typename Nibble, typename Row>
-torch::Tensor pack_int4_with(const cpk::Variant& v, int64_t n, int64_t k, const Nibble& nibble, const Row& row) {
+torch::Tensor pack_int4_with(const Variant& v, int64_t n, int64_t k, const Nibble& nibble, const Row& row) {
   auto out = torch::empty({n, k / 2}, torch::kUInt8);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  if (v.panels) {
+  if (cpk::is_panels(v.int4)) {
     at::parallel_for(0, cpk::panel_count(n), 16, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) cpk::pack_int4_panel(n, k, p, dst, nibble);
     });
@@ -197,56 +141,88 @@ torch::Tensor pack_int4_with(const cpk::Variant& v, int64_t n, int64_t k, const 
 }
 
 // int8 values in [-8, 7], [N, K] -> the variant's int4 layout, uint8 [N, K / 2].
-torch::Tensor pack_int4(torch::Tensor q, std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
+torch::Tensor pack_int4(torch::Tensor q, const Variant& v) {
   const int64_t n = q.size(0), k = q.size(1);
   TORCH_CHECK(k % 32 == 0, "pack_int4: K must be a multiple of 32");
   auto src_t = q.contiguous();
   const int8_t* src = src_t.data_ptr<int8_t>();
   return pack_int4_with(
       v, n, k, [&](int64_t c, int64_t i) { return uint8_t(src[c * k + i] + 8); },
-      [&](int64_t c, uint8_t* dst) { cpk::pack_int4_row(src + c * k, k, dst, v.layout); });
+      [&](int64_t c, uint8_t* dst) { cpk::pack_int4_row(src + c * k, k, dst, v.int4); });
 }
 
 // compressed-tensors pack-quantized int32 words [N, W] (word j holds k = 8j..8j+7 as value + 8 at
 // bits 4i) -> the variant's int4 layout, uint8 [N, K / 2], without an int8 copy.
-torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k, std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
+torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k, const Variant& v) {
   const int64_t n = words.size(0), w = words.size(1);
   TORCH_CHECK(k % 32 == 0 && w * 8 >= k, "words_to_nibbles: K must be a multiple of 32 and fit the words");
   auto src_t = words.contiguous();
   const uint32_t* src = reinterpret_cast<const uint32_t*>(src_t.data_ptr<int32_t>());
   return pack_int4_with(
       v, n, k, [&](int64_t c, int64_t i) { return uint8_t((src[c * w + i / 8] >> (4 * (i % 8))) & 0x0F); },
-      [&](int64_t c, uint8_t* dst) { cpk::words_to_nibbles_row(src + c * w, k, dst, v.layout); });
+      [&](int64_t c, uint8_t* dst) { cpk::words_to_nibbles_row(src + c * w, k, dst, v.int4); });
 }
 
-std::string int4_layout(std::string variant) {
-  const cpk::Variant& v = variant_or_fail(variant);
-  if (v.panels) return "offset_panel";
-  return v.layout == cpk::Int4Layout::Offset ? "offset" : "twos_complement";
+const Variant& variant(const std::string& name) {
+  const Variant* v = cpk::variant_by_name(name);
+  TORCH_CHECK(v != nullptr, "cpuserve kernels: no variant '", name, "' is compiled in");
+  return *v;
 }
 
-std::vector<std::string> variants() {
-  std::vector<std::string> names;
-  for (const cpk::Variant& v : cpk::compiled_variants()) names.push_back(v.name);
-  return names;
+// {variant: {op: calls}} for every count that is not zero.
+pybind11::dict dispatch_counts() {
+  pybind11::dict out;
+  for (const Variant* v : cpk::all_variants()) {
+    pybind11::dict ops;
+    for (int op = 0; op < cpk::kOpCount; ++op)
+      if (const uint64_t c = cpk::dispatch_counts[v->index][op].load(std::memory_order_relaxed))
+        ops[cpk::op_name(op)] = c;
+    if (!ops.empty()) out[v->name] = ops;
+  }
+  return out;
 }
+
+}  // namespace
 
 void register_layer_ops(pybind11::module& mod);      // layer_ops.cpp
 void register_decoder_layers(pybind11::module& mod);  // decoder_layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  namespace py = pybind11;
+  // A row of the variant table; the table owns it. Equal to another handle of the same row or to
+  // its name, and hashed as its name, so code that held names keeps working with handles.
+  py::class_<Variant, std::unique_ptr<Variant, py::nodelete>>(mod, "Variant")
+      .def_property_readonly("name", [](const Variant& v) { return std::string(v.name); })
+      .def_property_readonly("twin", [](const Variant& v) { return v.twin; }, py::return_value_policy::reference)
+      .def_property_readonly("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); })
+      .def_property_readonly("int4_layout", [](const Variant& v) { return int4_layout_name(v.int4); })
+      .def_property_readonly("runs_here", [](const Variant& v) { return cpk::runs_here(v); })
+      .def("__eq__", [](const Variant& v, const Variant& o) { return &v == &o; })
+      .def("__eq__", [](const Variant& v, const std::string& name) { return name == v.name; })
+      .def("__eq__", [](const Variant&, const py::object&) { return false; })
+      .def("__hash__", [](const Variant& v) { return py::hash(py::str(v.name)); })
+      .def("__str__", [](const Variant& v) { return std::string(v.name); })
+      .def("__repr__", [](const Variant& v) { return "<Variant " + std::string(v.name) + ">"; });
   register_layer_ops(mod);
   register_decoder_layers(mod);
+  mod.def("variant", &variant, py::return_value_policy::reference, "the table row of a compiled variant, by name");
   mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
   mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
   mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8 rows, int8 or uint8 + 128 panels)");
-  mod.def("int8_layout", &int8_layout, "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");
+  mod.def("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); },
+          "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");
   mod.def("pack_scales", &pack_scales, "W4A8 scales in the variant's order (panel order for panel variants)");
-  mod.def("pack_int4", &pack_int4, "repack int4 values into the kernel's nibble layout");
-  mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the kernel's nibble layout");
-  mod.def("int4_layout", &int4_layout, "offset, twos_complement or offset_panel: how the variant stores int4 nibbles");
-  mod.def("variants", &variants, "variants compiled in (the CPU decides which can run)");
-  mod.def("best_variant", &cpk::best_variant, "the best variant for this CPU, as the kernel sees it");
+  mod.def("pack_int4", &pack_int4, "repack int4 values into the variant's nibble layout");
+  mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the variant's nibble layout");
+  mod.def("int4_layout", [](const Variant& v) { return int4_layout_name(v.int4); },
+          "offset, twos_complement or offset_panel: how the variant stores int4 nibbles");
+  mod.def("variants", [] {
+    std::vector<std::string> names;
+    for (const Variant* v : cpk::compiled_variants()) names.push_back(v->name);
+    return names;
+  }, "selectable variants compiled in, generic first, best last (the CPU decides which can run)");
+  mod.def("best_variant", [] { return std::string(cpk::best_variant().name); },
+          "the best variant for this CPU, as the kernel's feature detector sees it");
+  mod.def("dispatch_counts", &dispatch_counts, "calls per variant and op since the last reset");
+  mod.def("reset_dispatch_counts", &cpk::reset_dispatch_counts, "zero the dispatch counters");
 }

@@ -1,0 +1,16 @@
+// The aarch64 variants' table entries, one set of names per variant (<op>_<variant>); each is
+// defined in the arch file of its variant. All read the two's-complement row layout (row_layout.h).
+#pragma once
+
+#include "../../variant.h"
+
+namespace cpk {
+
+void w8a8_neon(const LinearArgs& a, int64_t c0, int64_t c1);
+void w4a8_neon(const LinearArgs& a, int64_t c0, int64_t c1);
+void w8a8_neon_dotprod(const LinearArgs& a, int64_t c0, int64_t c1);
+void w4a8_neon_dotprod(const LinearArgs& a, int64_t c0, int64_t c1);
+void w8a8_neon_i8mm(const LinearArgs& a, int64_t c0, int64_t c1);
+void w4a8_neon_i8mm(const LinearArgs& a, int64_t c0, int64_t c1);
+
+}  // namespace cpk

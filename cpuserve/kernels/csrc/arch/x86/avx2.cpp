@@ -1,0 +1,153 @@
+// avx2: the panels as two 8-column halves (panel_halves.h). W8A8 weights signed (SignedPanels):
+// vpmaddubsw multiplies |w| (unsigned, <= 128) by a with w's sign (vpsignb), so a pair sums to at
+// most 2 * 128 * 127 < 2^15: no saturation; vpmaddwd by ones widens to int32. W4A8 reads the VNNI
+// panels' bytes as they are (offset nibbles <= 15: pairs <= 3810, the two nibble halves' sum
+// <= 7620). Exact integers and the panel twin's epilogues: bit-identical to it. Also the AVX2
+// activation quantizer and decode attention (the portable loops compiled for AVX2).
+#if defined(__x86_64__)
+#include "../../attention.h"
+#include "../../quantize.h"
+#include "kernels.h"
+#include "panel_halves.h"
+
+namespace cpk {
+namespace {
+
+template <int R, int P>
+__attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelRun& run, const int8_t* qa, int64_t k,
+                                                                    const float* sw, const float* sa, float* out,
+                                                                    int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
+  const int64_t quads = quad_k(k) / 4;
+  for (int64_t j = 0; j < quads; ++j)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = load_half(run, i, h, j);
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i signed_a = _mm256_sign_epi8(broadcast4_ymm(qa + r * k + 4 * j), w);
+          acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
+        }
+      }
+  for (int i = 0; i < P; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load_scales_half(run, i, h, sw + i * kPanel + 8 * h);
+      for (int r = 0; r < R; ++r)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s), _mm256_set1_ps(sa[r])));
+    }
+}
+
+template <int R, int P>
+__attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
+                                                                    const int32_t* gs, int64_t k, int64_t groups,
+                                                                    const float* sp, const float* sa, float* out,
+                                                                    int64_t n) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t steps = k / groups / 8;
+  // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
+  // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
+  alignas(32) float facc[R][P][2][8] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][P][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-8 * gs[r * groups + g]);
+    for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
+      for (int i = 0; i < P; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load_half(run, i, h, j);
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4_ymm(qa + r * k + 8 * j)),
+                                                   _mm256_maddubs_epi16(hi, broadcast4_ymm(qa + r * k + 8 * j + 4)));
+            acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+        for (int r = 0; r < R; ++r)
+          _mm256_store_ps(facc[r][i][h],
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+}
+
+struct S8Panels {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
+    s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
+  }
+};
+
+struct U4Panels {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
+    u4_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                         a.sa + r, a.out + r * a.n + run.c0, a.n);
+  }
+};
+
+}  // namespace
+
+__attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
+  const uint8_t* pw = static_cast<const uint8_t*>(a.w);
+  auto make = [&](int64_t p, int64_t np) { return S8Panels{panel_run(pw, quad_k(a.k), a.n, p, np), a}; };
+  if (a.m == 1)
+    for_each_run<1, 2>(a.m, p0, p1, make);  // decode: two panels' streams interleaved
+  else
+    for_each_run<2, 1>(a.m, p0, p1, make);
+}
+
+__attribute__((target(CPK_AVX2_TARGET))) void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
+  const uint8_t* pw = static_cast<const uint8_t*>(a.w);
+  auto make = [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np), a}; };
+  if (a.m == 1)
+    for_each_run<1, 2>(a.m, p0, p1, make);
+  else
+    for_each_run<2, 1>(a.m, p0, p1, make);
+}
+
+__attribute__((target(CPK_AVX2_TARGET))) void quantize_row_avx2(const float* x, int64_t k, int64_t group, int8_t* q,
+                                                                float* scale, int32_t* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), vmax);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.f;
+  for (float e : lanes) amax = std::fmax(amax, e);
+  for (; i < k; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float s = std::fmax(amax, 1e-8f) / 127.0f;
+  *scale = s;
+  const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (i = 0; i + 8 <= k; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    const __m256i n = _mm256_cvtps_epi32(v);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(words, words));
+  }
+  for (; i < k; ++i) q[i] = quantize_value(x[i], s);
+  group_sums(q, k, group, sums);
+}
+
+// The portable attention loops compiled for AVX2 (no FMA contraction: the generic twin's floats).
+CPK_PORTABLE_ATTENTION(decode_attention_avx2, __attribute__((target("avx2"))))
+
+}  // namespace cpk
+#endif  // __x86_64__

@@ -1,0 +1,121 @@
+// avx_vnni: AVX-VNNI (VEX-encoded vpdpbusd on ymm) for CPUs that have it without AVX-512 (Alder
+// Lake and later client cores, Zen 5 client parts). The AVX-512 VNNI panel bytes (uint8 w + 128 for
+// W8A8, offset nibbles for W4A8) in AVX2's structure of two 8-column halves, with one vpdpbusd where
+// AVX2 needs vpmaddubsw + vpmaddwd (and the sign trick): the accumulators start at the offset
+// correction, as avx512_vnni's do. Exact integers and the panel twin's epilogues: bit-identical to it.
+// Its quantizer and attention are AVX2's (the table row points at them).
+#if defined(__x86_64__)
+#include "kernels.h"
+#include "panel_halves.h"
+
+#define CPK_AVX_VNNI_TARGET "avx2,fma,avxvnni"
+
+namespace cpk {
+namespace {
+
+template <int R, int P>
+__attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const PanelRun& run, const int8_t* qa,
+                                                                        const int32_t* asum, int64_t k,
+                                                                        const float* sw, const float* sa, float* out,
+                                                                        int64_t n) {
+  __m256i acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-128 * asum[r]);
+  const int64_t quads = quad_k(k) / 4;
+  for (int64_t j = 0; j < quads; ++j)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = load_half(run, i, h, j);
+        for (int r = 0; r < R; ++r)
+          acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
+      }
+  for (int i = 0; i < P; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load_scales_half(run, i, h, sw + i * kPanel + 8 * h);
+      for (int r = 0; r < R; ++r)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s), _mm256_set1_ps(sa[r])));
+    }
+}
+
+template <int R, int P>
+__attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
+                                                                        const int32_t* gs, int64_t k, int64_t groups,
+                                                                        const float* sp, const float* sa, float* out,
+                                                                        int64_t n) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t steps = k / groups / 8;
+  alignas(32) float facc[R][P][2][8] = {};  // in memory, as AVX2's: the registers hold the integers
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][P][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-8 * gs[r * groups + g]);
+    for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
+      for (int i = 0; i < P; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load_half(run, i, h, j);
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], lo, broadcast4_ymm(qa + r * k + 8 * j));
+            acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));
+          }
+        }
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+        for (int r = 0; r < R; ++r)
+          _mm256_store_ps(facc[r][i][h],
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+}
+
+struct U8Panels {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
+    u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
+                         a.n);
+  }
+};
+
+struct U4Panels {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
+    u4_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                         a.sa + r, a.out + r * a.n + run.c0, a.n);
+  }
+};
+
+// Decode streams 2 panels at once; prefill blocks of 2 tokens x 2 panels (8 accumulators: the 16
+// ymm registers also hold 4 weight halves and the broadcasts).
+template <typename Make>
+__attribute__((always_inline)) inline void blocks(const LinearArgs& a, int64_t p0, int64_t p1, const Make& make) {
+  if (a.m == 1)
+    for_each_run<1, 2>(a.m, p0, p1, make);
+  else
+    for_each_run<2, 2>(a.m, p0, p1, make);
+}
+
+}  // namespace
+
+__attribute__((target(CPK_AVX_VNNI_TARGET))) void w8a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
+  const uint8_t* pw = static_cast<const uint8_t*>(a.w);
+  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np), a}; });
+}
+
+__attribute__((target(CPK_AVX_VNNI_TARGET))) void w4a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
+  const uint8_t* pw = static_cast<const uint8_t*>(a.w);
+  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np), a}; });
+}
+
+}  // namespace cpk
+#endif  // __x86_64__

@@ -1,0 +1,25 @@
+// The x86-64 variants' table entries, one set of names per variant (<op>_<variant>); each is
+// defined in the arch file of its variant.
+#pragma once
+
+#include "../../variant.h"
+
+namespace cpk {
+
+// avx2.cpp: AVX2 + FMA, signed int8 panels, offset nibble panels.
+void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
+void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
+void quantize_row_avx2(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
+void decode_attention_avx2(const AttentionArgs& a, const Parallel& par);
+
+// avx_vnni.cpp: AVX-VNNI (vpdpbusd on ymm), the VNNI panel bytes; AVX2's quantizer and attention.
+void w8a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
+void w4a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
+
+// avx512_vnni.cpp, attention_avx512.cpp: AVX-512 F/BW/VL/VNNI, offset int8 and nibble panels.
+void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
+void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
+void quantize_row_avx512_vnni(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
+void decode_attention_avx512_vnni(const AttentionArgs& a, const Parallel& par);
+
+}  // namespace cpk

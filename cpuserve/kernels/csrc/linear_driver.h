@@ -1,0 +1,30 @@
+// The torch-free driver of the quantized linears and decode attention: quantize the activations with
+// the variant's quantizer, share the outputs (panels or columns) over the caller's threads, call the
+// variant's kernels, count the call. The torch binding (qlinear.cpp) and kernel_check.cpp both run
+// it, so what the check proves is what serves.
+#pragma once
+
+#include <cstdint>
+
+#include "attention.h"
+#include "float_types.h"
+#include "variant.h"
+
+namespace cpk {
+
+// x [M, K] row-major in dtype.
+struct LinearInput {
+  const void* x;
+  DType dtype;
+  int64_t m, k;
+};
+
+// W8A8: w in the variant's int8 layout, scales [N]. out [M, N] fp32.
+void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
+                 int64_t n, float* out);
+// W4A8: w in the variant's int4 layout, scales [N, groups] in the layout's order. out [M, N] fp32.
+void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
+                 int64_t groups, int64_t n, float* out);
+void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs& a);
+
+}  // namespace cpk

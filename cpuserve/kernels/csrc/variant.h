@@ -1,0 +1,81 @@
+// The variant table's row type: everything that differs between ISAs, resolved once (by name, in
+// Python) to a row that every native op then receives. One row per variant in variants.cpp; the
+// kernels behind the pointers live in arch/x86/, arch/arm/ and (the scalar twins) generic.cpp.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "parallel.h"
+
+namespace cpk {
+
+// How a variant stores W8A8 and W4A8 weights (row_layout.h, panel_layout.h).
+enum class Int8Layout { SignedRows, SignedPanels, OffsetPanels };
+enum class Int4Layout { OffsetRows, TwosComplementRows, OffsetPanels };
+
+inline bool is_panels(Int8Layout l) { return l != Int8Layout::SignedRows; }
+inline bool is_panels(Int4Layout l) { return l == Int4Layout::OffsetPanels; }
+
+// One matmul's quantized operands. qa [M, K] int8 (rows readable 4 bytes past the last), sa [M]
+// per-token scales; sums: W8A8 on OffsetPanels the per-token sums [M], W4A8 the per-token per-group
+// sums [M, groups] (the offset layouts' correction). w: the weight in the variant's layout, sw its
+// scales ([N], or W4A8 [N, groups] in the layout's order). out [M, N] fp32.
+struct LinearArgs {
+  const int8_t* qa;
+  const float* sa;
+  const int32_t* sums;
+  int64_t m, k;
+  const void* w;
+  const float* sw;
+  int64_t groups, n;
+  float* out;
+};
+
+struct AttentionArgs;  // attention.h
+
+// Output columns [begin, end) (row layouts) or panels [begin, end) (panel layouts) of a linear.
+using LinearKernel = void (*)(const LinearArgs&, int64_t begin, int64_t end);
+// One token: scale, int8 values and per-group sums (group 0: none), bit-identical to the twin.
+using QuantizeRow = void (*)(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
+using DecodeAttention = void (*)(const AttentionArgs&, const Parallel&);
+
+struct Variant {
+  const char* name;
+  int index;       // its row in the dispatch counters
+  uint32_t needs;  // cpu_features.h bits the CPU must have
+  Int8Layout int8;
+  Int4Layout int4;
+  LinearKernel w8a8, w4a8;
+  QuantizeRow quantize_row;
+  DecodeAttention decode_attention;
+  const Variant* twin;  // the scalar twin of its layouts (itself for a twin)
+  bool w4_exact;        // W4A8 bit-identical to the twin (else within kernel_check's budget)
+};
+
+// The ops counted per variant: one relaxed atomic increment per call, so a test can show which
+// row served every native op.
+enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kOpCount };
+inline const char* op_name(int op) {
+  static const char* names[kOpCount] = {"w8a8_linear", "w4a8_linear", "quantize_rows",  "decode_attention",
+                                        "rms_norm",    "add_rms_norm", "rope",          "silu_mul"};
+  return names[op];
+}
+
+constexpr int kMaxVariants = 16;
+extern std::atomic<uint64_t> dispatch_counts[kMaxVariants][kOpCount];
+inline void count(const Variant& v, Op op) { dispatch_counts[v.index][op].fetch_add(1, std::memory_order_relaxed); }
+void reset_dispatch_counts();
+
+// The selectable variants compiled for this architecture, generic first, then best last.
+const std::vector<const Variant*>& compiled_variants();
+// Every row, the twins included (for lookups and the counters).
+const std::vector<const Variant*>& all_variants();
+const Variant* variant_by_name(const std::string& name);
+bool runs_here(const Variant& v);
+// The best selectable variant this CPU runs.
+const Variant& best_variant();
+
+}  // namespace cpk
