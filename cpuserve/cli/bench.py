@@ -73,6 +73,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mm.add_argument("--force", action="store_true")
     mm.add_argument("--cache-dir", default=None)
     mm.set_defaults(func=cmd_bench_make_model)
+    itl = bench_sub.add_parser("itl", help="how long streams already decoding stall when a ~2,000-token prompt arrives")
+    itl.add_argument("model", nargs="?", default=None)
+    itl.add_argument("--cache-dir", default=None)
+    itl.add_argument(
+        "--checkout", default=None, help="serve the cpuserve of this source tree (default: the one running this)"
+    )
+    itl.add_argument("--clients", type=int, default=8)
+    itl.add_argument("--long-tokens", type=int, default=2000, help="tokens of the long prompt")
+    itl.add_argument("--max-tokens", type=int, default=2000, help="per stream; the streams are closed long before")
+    itl.add_argument("--before", type=float, default=4.0, help="seconds of decoding measured before the long prompt")
+    itl.add_argument("--after", type=float, default=2.0, help="seconds the streams go on after its answer")
+    itl.add_argument("--kv-cache-gib", type=float, default=1.0)
+    itl.add_argument("--log", default=None, help="the server's log (default: a temporary file)")
+    itl.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
+    itl.set_defaults(func=cmd_bench_itl)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -195,4 +210,43 @@ def cmd_bench_make_model(args: argparse.Namespace) -> int:
             group = args.group_size if args.scheme == "w4a8" else None
             quantize_checkpoint(bf16, out, args.scheme, group, args.pack, force=args.force)
     log.info("wrote %s", out)
+    return 0
+
+
+def cmd_bench_itl(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import cpuserve
+    from cpuserve.bench.itl_bench import render, run_itl_bench
+    from cpuserve.model.resolve import resolve_model
+
+    checkout = Path(args.checkout) if args.checkout else Path(cpuserve.__file__).parent.parent
+    if not (checkout / "cpuserve" / "__init__.py").is_file():
+        raise CpuserveError(f"--checkout {checkout}: no cpuserve package there")
+    model_dir = resolve_model(args.model, args.cache_dir)  # convert once, before the server starts
+    extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    max_len = str(max(4096, args.long_tokens + args.max_tokens + 64))
+    serve_args = [str(model_dir), "--max-model-len", max_len, "--max-num-seqs", str(args.clients + 1), *extra]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    if args.cache_dir:
+        env["CPUSERVE_CACHE_DIR"] = args.cache_dir
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(args.log) if args.log else Path(tmp) / "server.log"
+        result = run_itl_bench(
+            model_dir,
+            serve_args,
+            env,
+            checkout.resolve(),
+            log,
+            clients=args.clients,
+            long_tokens=args.long_tokens,
+            max_tokens=args.max_tokens,
+            before=args.before,
+            after=args.after,
+        )
+    command = (
+        f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib} cpuserve serve {' '.join(serve_args)} (from {checkout}); "
+        f"{args.clients} streaming completions, then one {result.long_prompt_tokens}-token prompt"
+    )
+    print(render(result, command))
     return 0
