@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cpuserve.bench.itl_bench import ItlResult, StreamTimes, long_prompt, render, server_entry
+from cpuserve.bench.itl_bench import ItlResult, LongRun, StreamTimes, long_prompt, render, server_entry
 from cpuserve.tokenizer import Tokenizer
 
 
@@ -29,8 +29,12 @@ def test_server_entry_imports_the_given_checkout_first(tmp_path):
     assert entry[:2] == [sys.executable, "-c"] and f"sys.path.insert(0, {str(tmp_path)!r})" in entry[2]
 
 
-def test_render_has_a_row_per_stream_and_a_summary():
-    result = ItlResult("/x/cpuserve/__init__.py", 2001, 0.5, [0.1, 0.12], [0.4, 0.6], [40, 41])
-    text = render(result, "cpuserve serve m")
-    assert "2001 prompt tokens" in text and "500 ms" in text
-    assert "| 1 | 41 | 120.0 | 600 |" in text and "| all | 81 | 110.0 (median) | 600 (max) |" in text
+def test_render_has_a_row_per_long_prompt_and_their_median():
+    runs = [
+        LongRun(2001, 0.5, [0.1, 0.12], [0.4, 0.6]),
+        LongRun(2002, 0.7, [0.1, 0.1], [0.5, 0.9]),
+    ]
+    text = render(ItlResult("/x/cpuserve/__init__.py", [40, 41], runs), "cpuserve serve m")
+    assert "2 streams, 81 tokens streamed" in text
+    assert "| 1 | 2001 | 500 | 110.0 | 600 | 400 |" in text and "| 2 | 2002 | 700 | 100.0 | 900 | 500 |" in text
+    assert "| median | | 600 | 105.0 | 750 | 450 |" in text

@@ -4,8 +4,9 @@ A real server on 127.0.0.1 gets N streaming completions (temperature 0, ignore_e
 max_tokens than the run needs); once every stream is decoding and `before` seconds have passed,
 one request with a ~2,000-token text prompt and max_tokens 1 is sent. Per stream: the median gap
 between streamed tokens before it was sent, and the longest gap in the window from its sending to
-`margin` seconds after its answer; and the long request's own latency. The streams are closed
-`after` seconds past the answer (the server aborts them).
+`margin` seconds after its answer; and the long request's own latency. `repeats` long prompts
+(different texts) are sent in turn, each after `before` seconds of undisturbed decoding; the
+streams are closed `after` seconds past the last answer (the server aborts them).
 
 The server can be any checkout (`checkout`): its `cpuserve` is imported ahead of everything else,
 and the log records which one was, so old and new code are measured by the same client.
@@ -55,13 +56,20 @@ class StreamTimes:
 
 
 @dataclass
+class LongRun:
+    """One long prompt: its answer, and what the streams saw before and around it."""
+
+    prompt_tokens: int
+    latency: float  # sent to answered, seconds
+    median_before: list[float]  # per stream: the median gap in the `before` seconds preceding it
+    longest_around: list[float]  # per stream: the longest gap from its sending to `margin` after its answer
+
+
+@dataclass
 class ItlResult:
-    server_cpuserve: str
-    long_prompt_tokens: int
-    long_latency: float
-    median_before: list[float]  # per stream, seconds
-    longest_in_window: list[float]
-    tokens: list[int]
+    server_cpuserve: str  # the package the server imported (from its log)
+    tokens: list[int]  # per stream, over the whole run
+    runs: list[LongRun]
 
 
 def long_prompt(tokenizer, tokens: int, seed: int) -> str:  # type: ignore[no-untyped-def]
@@ -104,8 +112,14 @@ async def _stream(client, i: int, max_tokens: int, times: StreamTimes, stop: asy
 
 
 async def _drive(
-    base: str, prompt: str, clients: int, max_tokens: int, before: float, after: float, margin: float
-) -> tuple[int, float, list[float], list[float], list[int]]:
+    base: str,
+    prompts: list[str],
+    clients: int,
+    max_tokens: int,
+    before: float,
+    after: float,
+    margin: float,
+) -> tuple[list[int], list[LongRun]]:
     import logging
 
     import httpx
@@ -113,6 +127,7 @@ async def _drive(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     times = [StreamTimes() for _ in range(clients)]
     stop = asyncio.Event()
+    windows: list[tuple[float, float, float, int]] = []  # (quiet since, sent, answered, prompt tokens)
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         tasks = [asyncio.ensure_future(_stream(client, i, max_tokens, times[i], stop)) for i in range(clients)]
         deadline = time.monotonic() + 300
@@ -122,21 +137,32 @@ async def _drive(
                 await asyncio.gather(*tasks)
                 raise RuntimeError("the streams did not all start decoding")
             await asyncio.sleep(0.01)
-        decoding = time.monotonic()
-        await asyncio.sleep(before)
-        sent = time.monotonic()
-        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
-        answered = time.monotonic()
-        if r.status_code != 200:
-            raise RuntimeError(f"long request: HTTP {r.status_code}: {r.text[:300]}")
-        await asyncio.sleep(after)
+        quiet = time.monotonic()
+        for prompt in prompts:
+            await asyncio.sleep(before)
+            sent = time.monotonic()
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            answered = time.monotonic()
+            if r.status_code != 200:
+                stop.set()
+                raise RuntimeError(f"long request: HTTP {r.status_code}: {r.text[:300]}")
+            windows.append((quiet, sent, answered, r.json()["usage"]["prompt_tokens"]))
+            await asyncio.sleep(after)
+            quiet = time.monotonic()
         stop.set()
         await asyncio.gather(*tasks)
-    if any(t.arrivals[-1] < answered + margin for t in times):
-        raise RuntimeError("a stream ended inside the window: raise max_tokens")
-    median_before = [statistics.median(t.gaps(decoding, sent)) for t in times]
-    longest = [t.longest_overlapping(sent, answered + margin) for t in times]
-    return r.json()["usage"]["prompt_tokens"], answered - sent, median_before, longest, [len(t.arrivals) for t in times]
+    if any(t.arrivals[-1] < windows[-1][2] + margin for t in times):
+        raise RuntimeError("a stream ended inside a window: raise max_tokens")
+    runs = [
+        LongRun(
+            n,
+            answered - sent,
+            [statistics.median(t.gaps(quiet, sent)) for t in times],
+            [t.longest_overlapping(sent, answered + margin) for t in times],
+        )
+        for quiet, sent, answered, n in windows
+    ]
+    return [len(t.arrivals) for t in times], runs
 
 
 def run_itl_bench(
@@ -151,33 +177,42 @@ def run_itl_bench(
     before: float = 4.0,
     after: float = 2.0,
     margin: float = 1.0,
+    repeats: int = 3,
     seed: int = 0,
 ) -> ItlResult:
+    """One server, `clients` streams throughout, `repeats` long prompts (different texts) in turn;
+    `after` must exceed `margin` so that each window ends before the next quiet period begins."""
     from cpuserve.tokenizer import Tokenizer
 
-    prompt = long_prompt(Tokenizer(model_dir), long_tokens, seed)
+    tokenizer = Tokenizer(model_dir)
+    prompts = [long_prompt(tokenizer, long_tokens, seed + i) for i in range(repeats)]
     with running_server(serve_args, env, log, entry=server_entry(checkout)) as base:
-        n, latency, median_before, longest, tokens = asyncio.run(
-            _drive(base, prompt, clients, max_tokens, before, after, margin)
-        )
+        tokens, runs = asyncio.run(_drive(base, prompts, clients, max_tokens, before, after, margin))
     first = log.read_text().splitlines()[0] if log.is_file() else ""
-    return ItlResult(first.removeprefix("[itl] server cpuserve: "), n, latency, median_before, longest, tokens)
+    return ItlResult(first.removeprefix("[itl] server cpuserve: "), tokens, runs)
 
 
 def render(result: ItlResult, command: str) -> str:
     ms = 1000.0
+    n = len(result.tokens)
     lines = [
         f"server: {command}",
         f"server's cpuserve: {result.server_cpuserve}",
-        f"long request: {result.long_prompt_tokens} prompt tokens, max_tokens 1: {result.long_latency * ms:.0f} ms",
+        f"{n} streams, {sum(result.tokens)} tokens streamed; each long request has max_tokens 1",
         "",
-        "| stream | tokens | median gap before (ms) | longest gap around the long prompt (ms) |",
-        "|---:|---:|---:|---:|",
+        f"| long prompt | tokens | its latency (ms) | median gap before, median of {n} (ms) "
+        f"| longest gap around it, max of {n} (ms) | same, min of {n} (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for i, (med, top, n) in enumerate(zip(result.median_before, result.longest_in_window, result.tokens, strict=True)):
-        lines.append(f"| {i} | {n} | {med * ms:.1f} | {top * ms:.0f} |")
-    lines.append(
-        f"| all | {sum(result.tokens)} | {statistics.median(result.median_before) * ms:.1f} (median) "
-        f"| {max(result.longest_in_window) * ms:.0f} (max) |"
-    )
+    rows = [
+        (r.prompt_tokens, r.latency, statistics.median(r.median_before), max(r.longest_around), min(r.longest_around))
+        for r in result.runs
+    ]
+    for i, (tokens, latency, before, worst, best) in enumerate(rows, 1):
+        lines.append(
+            f"| {i} | {tokens} | {latency * ms:.0f} | {before * ms:.1f} | {worst * ms:.0f} | {best * ms:.0f} |"
+        )
+    if len(rows) > 1:
+        med = [statistics.median(col) for col in list(zip(*rows, strict=True))[1:]]
+        lines.append(f"| median | | {med[0] * ms:.0f} | {med[1] * ms:.1f} | {med[2] * ms:.0f} | {med[3] * ms:.0f} |")
     return "\n".join(lines)

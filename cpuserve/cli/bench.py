@@ -84,6 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     itl.add_argument("--max-tokens", type=int, default=2000, help="per stream; the streams are closed long before")
     itl.add_argument("--before", type=float, default=4.0, help="seconds of decoding measured before the long prompt")
     itl.add_argument("--after", type=float, default=2.0, help="seconds the streams go on after its answer")
+    itl.add_argument("--repeats", type=int, default=3, help="long prompts sent in turn, one table row each")
     itl.add_argument("--kv-cache-gib", type=float, default=1.0)
     itl.add_argument("--log", default=None, help="the server's log (default: a temporary file)")
     itl.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
@@ -223,6 +224,10 @@ def cmd_bench_itl(args: argparse.Namespace) -> int:
     checkout = Path(args.checkout) if args.checkout else Path(cpuserve.__file__).parent.parent
     if not (checkout / "cpuserve" / "__init__.py").is_file():
         raise CpuserveError(f"--checkout {checkout}: no cpuserve package there")
+    if args.after <= 1.0 or args.before <= 0 or args.repeats < 1 or args.clients < 1:
+        raise CpuserveError(
+            "bench itl: --after must exceed 1 s (the window), --before > 0, --repeats and --clients >= 1"
+        )
     model_dir = resolve_model(args.model, args.cache_dir)  # convert once, before the server starts
     extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     max_len = str(max(4096, args.long_tokens + args.max_tokens + 64))
@@ -243,10 +248,11 @@ def cmd_bench_itl(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             before=args.before,
             after=args.after,
+            repeats=args.repeats,
         )
     command = (
         f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib} cpuserve serve {' '.join(serve_args)} (from {checkout}); "
-        f"{args.clients} streaming completions, then one {result.long_prompt_tokens}-token prompt"
+        f"{args.clients} streaming completions; {args.repeats} x one {args.long_tokens}-token prompt"
     )
     print(render(result, command))
     return 0
