@@ -87,7 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     itl.add_argument("--repeats", type=int, default=3, help="long prompts sent in turn, one table row each")
     itl.add_argument("--kv-cache-gib", type=float, default=1.0)
     itl.add_argument("--log", default=None, help="the server's log (default: a temporary file)")
-    itl.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
+    itl.add_argument(
+        "--serve-flags", default="", help="extra `serve` flags as one string, e.g. '--max-num-batched-tokens 256'"
+    )
     itl.set_defaults(func=cmd_bench_itl)
 
 
@@ -215,6 +217,7 @@ def cmd_bench_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_itl(args: argparse.Namespace) -> int:
+    import shlex
     import tempfile
 
     import cpuserve
@@ -229,7 +232,7 @@ def cmd_bench_itl(args: argparse.Namespace) -> int:
             "bench itl: --after must exceed 1 s (the window), --before > 0, --repeats and --clients >= 1"
         )
     model_dir = resolve_model(args.model, args.cache_dir)  # convert once, before the server starts
-    extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    extra = shlex.split(args.serve_flags)
     max_len = str(max(4096, args.long_tokens + args.max_tokens + 64))
     serve_args = [str(model_dir), "--max-model-len", max_len, "--max-num-seqs", str(args.clients + 1), *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
