@@ -4,8 +4,9 @@ without ever compiling; absent kernels mean the pure-torch reference path, said 
 The variant is chosen once (`selected_variant`): the platform layer's choice for this CPU, or
 CPUSERVE_ISA, validated there (platform/overrides.py, platform/plan.py). Its name is resolved to a
 row of the kernels' variant table (`native().variant(name)`, a `Variant` that equals its name), and
-that row is what the quantized linears (KernelChoice), NativeLinear, the float ops and decode attention pass to every native
-call: nothing below looks a variant up by name, or reads the environment."""
+that row is what the quantized linears (KernelChoice), NativeLinear, the float ops and decode
+attention pass to every native call: nothing below looks a variant up by name, or reads the
+environment."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from cpuserve.engine.llm_engine import LLMEngine
+from cpuserve.engine import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -46,10 +46,10 @@ class Metrics:
         )
         self.model_name = model_name
 
-    def render(self, engine: LLMEngine) -> bytes:
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.kv_usage.set(engine.blocks.usage)
-        queries = engine.blocks.prefix_queries
-        self.prefix_hit_rate.set(engine.blocks.prefix_hits / queries if queries else 0.0)
+    def render(self, stats: EngineStats) -> bytes:
+        """The exposition text; the engine gauges are set from `stats` (a snapshot) first."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine import InvalidRequest, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -58,8 +58,6 @@ class SamplingFields(BaseModel):
             try:
                 bias[int(key)] = float(value)
             except ValueError:
-                from cpuserve.engine.sampling_params import InvalidRequest
-
                 raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
         return SamplingParams(
             n=self.n,

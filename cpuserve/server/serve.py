@@ -157,8 +157,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     machine, overrides, _ = platform_plan(args)
     import uvicorn
 
-    from cpuserve.engine.async_engine import AsyncEngine
-    from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
+    from cpuserve.engine import AsyncEngine, EngineConfig, LLMEngine
     from cpuserve.model.resolve import BUNDLED_NAME, resolve_model
     from cpuserve.server.app import ServerConfig, create_app
     from cpuserve.server.shutdown import HttpServer

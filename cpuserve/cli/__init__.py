@@ -1,0 +1,58 @@
+"""The `cpuserve` command line: one sub-command per job, user errors as one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cpuserve import __version__
+from cpuserve.cli import bench, generate, models
+from cpuserve.cli.common import platform_plan
+from cpuserve.errors import CpuserveError
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cpuserve.server.serve import serve
+
+    return serve(args, platform_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpuserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cpuserve {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    generate.add_parser(sub)
+
+    from cpuserve.server.serve import add_serve_args
+
+    srv = sub.add_parser("serve", help="serve a model over the OpenAI API (a drop-in for `vllm serve`)")
+    add_serve_args(srv)
+    srv.set_defaults(func=_cmd_serve)
+
+    models.add_doctor_parser(sub)
+    bench.add_parser(sub)
+    models.add_quantize_parser(sub)
+    models.add_convert_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="[cpuserve] %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except CpuserveError as exc:
+        if args.debug:
+            raise
+        print(f"cpuserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cpuserve: interrupted", file=sys.stderr)
+        return 130

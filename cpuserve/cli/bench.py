@@ -1,0 +1,261 @@
+"""`cpuserve bench ...`: benchmarks and the benchmark models they run on."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from cpuserve.cli.common import add_model_args, platform_plan
+from cpuserve.errors import CpuserveError
+
+log = logging.getLogger("cpuserve")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks and benchmark models")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    be = bench_sub.add_parser("engine", help="aggregate decode tok/s at several concurrencies; logprobs cost")
+    add_model_args(be)
+    be.add_argument("--concurrency", default="1,4,8,16")
+    be.add_argument("--new-tokens", type=int, default=32)
+    be.add_argument("--prompt-words", type=int, default=32)
+    be.add_argument("--repeats", type=int, default=3)
+    be.add_argument("--max-model-len", type=int, default=1024)
+    be.set_defaults(func=cmd_bench_engine)
+    bs = bench_sub.add_parser("startup", help="seconds from `cpuserve serve` to the first answered request")
+    bs.add_argument("model", nargs="?", default=None)
+    bs.add_argument("--cache-dir", default=None)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
+    bs.set_defaults(func=cmd_bench_startup)
+    bl = bench_sub.add_parser("load", help="concurrent streaming clients against a server: errors, TTFT, memory")
+    bl.add_argument("model", nargs="?", default=None)
+    bl.add_argument("--cache-dir", default=None)
+    bl.add_argument("--clients", type=int, default=64)
+    bl.add_argument("--seconds", type=float, default=60.0)
+    bl.add_argument("--kv-cache-gib", type=float, default=1.0)
+    bl.add_argument("--seed", type=int, default=0)
+    bl.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra `serve` flags after --")
+    bl.set_defaults(func=cmd_bench_load)
+    bp = bench_sub.add_parser("perplexity", help="perplexity of cpuserve models and llama.cpp GGUFs, one run")
+    bp.add_argument("models", nargs="+", help="HF directories, optionally LABEL=PATH; the first is the baseline")
+    bp.add_argument("--gguf", action="append", help="LABEL=FILE.gguf evaluated by llama.cpp on the same windows")
+    bp.add_argument("--llamacpp-python", default=None, help="a python with llama_cpp installed")
+    bp.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    bp.add_argument("--ctx", type=int, default=512)
+    bp.add_argument("--dtype", default="float32")
+    bp.set_defaults(func=cmd_bench_perplexity)
+    bg = bench_sub.add_parser("export-gguf", help="an unquantized HF llama directory as a llama.cpp GGUF")
+    bg.add_argument("model", nargs="?", default=None)
+    bg.add_argument("out")
+    bg.add_argument("--type", default="q4_0", choices=["f16", "q8_0", "q4_0"])
+    bg.add_argument("--tokenizer-gguf", default=None, help="GGUF to copy tokenizer metadata from (default: bundled)")
+    bg.add_argument("--cache-dir", default=None)
+    bg.set_defaults(func=cmd_bench_export_gguf)
+    bsp = bench_sub.add_parser("speed", help="cpuserve against llama.cpp on the same weights, side by side")
+    bsp.add_argument(
+        "--pair", action="append", required=True, help="LABEL=CPUSERVE_DIR,LABEL=LLAMACPP.gguf (repeatable)"
+    )
+    bsp.add_argument("--llamacpp-python", required=True, help="a python with llama-cpp-python installed")
+    bsp.add_argument("--threads", type=int, default=2)
+    bsp.add_argument("--prompt", type=int, default=512)
+    bsp.add_argument("--decode", type=int, default=64)
+    bsp.add_argument("--repeats", type=int, default=3)
+    bsp.set_defaults(func=cmd_bench_speed)
+    mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
+    mm.add_argument("out_dir")
+    mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")
+    mm.add_argument("--scheme", default="bf16", choices=["bf16", "w8a8", "w4a8"])
+    mm.add_argument("--group-size", type=int, default=128, help="w4a8 group size (default 128, as the seed)")
+    mm.add_argument("--pack", action="store_true", help="w4a8 as pack-quantized (as the reference image serves it)")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--force", action="store_true")
+    mm.add_argument("--cache-dir", default=None)
+    mm.set_defaults(func=cmd_bench_make_model)
+    itl = bench_sub.add_parser("itl", help="how long streams already decoding stall when a ~2,000-token prompt arrives")
+    itl.add_argument("model", nargs="?", default=None)
+    itl.add_argument("--cache-dir", default=None)
+    itl.add_argument(
+        "--checkout", default=None, help="serve the cpuserve of this source tree (default: the one running this)"
+    )
+    itl.add_argument("--clients", type=int, default=8)
+    itl.add_argument("--long-tokens", type=int, default=2000, help="tokens of the long prompt")
+    itl.add_argument("--max-tokens", type=int, default=2000, help="per stream; the streams are closed long before")
+    itl.add_argument("--before", type=float, default=4.0, help="seconds of decoding measured before the long prompt")
+    itl.add_argument("--after", type=float, default=2.0, help="seconds the streams go on after its answer")
+    itl.add_argument("--repeats", type=int, default=3, help="long prompts sent in turn, one table row each")
+    itl.add_argument("--kv-cache-gib", type=float, default=1.0)
+    itl.add_argument("--log", default=None, help="the server's log (default: a temporary file)")
+    itl.add_argument(
+        "--serve-flags", default="", help="extra `serve` flags as one string, e.g. '--max-num-batched-tokens 256'"
+    )
+    itl.set_defaults(func=cmd_bench_itl)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    _, _, threads = platform_plan(args)
+    from cpuserve.bench.engine_bench import render, run_engine_bench
+    from cpuserve.engine import EngineConfig, LLMEngine
+    from cpuserve.model.resolve import resolve_model
+
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise CpuserveError(f"--concurrency {args.concurrency!r}: expected numbers like 1,4,8,16") from None
+    model_dir = resolve_model(args.model, args.cache_dir)
+    config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=max(concurrencies))
+    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype)
+    result = run_engine_bench(engine, concurrencies, args.new_tokens, args.prompt_words, args.repeats)
+    print(render(str(model_dir), str(engine.model.dtype).removeprefix("torch."), threads.count, result))
+    return 0
+
+
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from cpuserve.bench.startup_bench import run_startup_bench
+    from cpuserve.model.resolve import resolve_model
+
+    model_dir = resolve_model(args.model, args.cache_dir)  # convert once, outside the measurement
+    print(
+        run_startup_bench(
+            [str(model_dir) if args.model else "", *args.serve_args][bool(not args.model) :], args.repeats
+        )
+    )
+    return 0
+
+
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from cpuserve.bench.load_test import render, run_load
+    from cpuserve.model.resolve import resolve_model
+
+    model_dir = resolve_model(args.model, args.cache_dir)  # convert once, before the clock starts
+    serve_args = [str(model_dir), "--max-num-seqs", str(args.clients), *args.serve_args]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    result = run_load(serve_args, env, args.clients, args.seconds, args.seed)
+    command = (
+        f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib} cpuserve serve {' '.join(serve_args)}; "
+        f"{args.clients} streaming chat clients for {args.seconds:.0f} s"
+    )
+    print(render(result, command))
+    return 1 if result.errors else 0
+
+
+def cmd_bench_perplexity(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpuserve.bench.perplexity import run_perplexity
+
+    def labelled(items: list[str]) -> dict[str, Path]:
+        pairs = [item.split("=", 1) if "=" in item else (Path(item).name, item) for item in items]
+        return {label: Path(path) for label, path in pairs}
+
+    print(
+        run_perplexity(
+            labelled(args.models),
+            labelled(args.gguf or []),
+            Path(args.text),
+            args.ctx,
+            args.dtype,
+            args.llamacpp_python,
+            torch.get_num_threads(),
+        )
+    )
+    return 0
+
+
+def cmd_bench_export_gguf(args: argparse.Namespace) -> int:
+    from cpuserve.bench.gguf_export import export_gguf
+    from cpuserve.model.resolve import bundled_gguf, resolve_model
+
+    src = resolve_model(args.model, args.cache_dir)
+    export_gguf(src, Path(args.out), args.type, Path(args.tokenizer_gguf) if args.tokenizer_gguf else bundled_gguf())
+    log.info("wrote %s", args.out)
+    return 0
+
+
+def cmd_bench_speed(args: argparse.Namespace) -> int:
+    from cpuserve.bench.speed import decode_bytes, measure_speed, render_speed
+
+    pairs, weight_bytes = [], {}
+    for item in args.pair:
+        try:
+            ours, theirs = item.split(",", 1)
+            ours_label, ours_dir = ours.split("=", 1)
+            theirs_label, gguf = theirs.split("=", 1)
+        except ValueError:
+            raise CpuserveError(f"--pair {item!r}: expected LABEL=DIR,LABEL=FILE.gguf") from None
+        weight_bytes.update(decode_bytes(ours_label, Path(ours_dir), theirs_label, Path(gguf)))
+        pairs.append((ours_label, Path(ours_dir), theirs_label, Path(gguf)))
+    result = measure_speed(
+        pairs, args.llamacpp_python, args.threads, args.prompt, args.decode, args.repeats, weight_bytes
+    )
+    print(render_speed(result))
+    return 0
+
+
+def cmd_bench_make_model(args: argparse.Namespace) -> int:
+    from cpuserve.bench.make_model import make_model
+    from cpuserve.model.resolve import resolve_model
+
+    tokenizer_dir = resolve_model(None, args.cache_dir)
+    out = Path(args.out_dir)
+    if args.scheme == "bf16":
+        make_model(args.shape, out, tokenizer_dir, args.seed, args.force)
+    else:
+        import tempfile
+
+        from cpuserve.offline.quantize import quantize_checkpoint
+
+        if out.exists() and not args.force:
+            raise CpuserveError(f"{out}: already exists (pass --force to replace it)")
+        with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+            bf16 = make_model(args.shape, Path(tmp) / "bf16", tokenizer_dir, args.seed)
+            group = args.group_size if args.scheme == "w4a8" else None
+            quantize_checkpoint(bf16, out, args.scheme, group, args.pack, force=args.force)
+    log.info("wrote %s", out)
+    return 0
+
+
+def cmd_bench_itl(args: argparse.Namespace) -> int:
+    import shlex
+    import tempfile
+
+    import cpuserve
+    from cpuserve.bench.itl_bench import render, run_itl_bench
+    from cpuserve.model.resolve import resolve_model
+
+    checkout = Path(args.checkout) if args.checkout else Path(cpuserve.__file__).parent.parent
+    if not (checkout / "cpuserve" / "__init__.py").is_file():
+        raise CpuserveError(f"--checkout {checkout}: no cpuserve package there")
+    if args.after <= 1.0 or args.before <= 0 or args.repeats < 1 or args.clients < 1:
+        raise CpuserveError(
+            "bench itl: --after must exceed 1 s (the window), --before > 0, --repeats and --clients >= 1"
+        )
+    model_dir = resolve_model(args.model, args.cache_dir)  # convert once, before the server starts
+    extra = shlex.split(args.serve_flags)
+    max_len = str(max(4096, args.long_tokens + args.max_tokens + 64))
+    serve_args = [str(model_dir), "--max-model-len", max_len, "--max-num-seqs", str(args.clients + 1), *extra]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    if args.cache_dir:
+        env["CPUSERVE_CACHE_DIR"] = args.cache_dir
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(args.log) if args.log else Path(tmp) / "server.log"
+        result = run_itl_bench(
+            model_dir,
+            serve_args,
+            env,
+            checkout.resolve(),
+            log,
+            clients=args.clients,
+            long_tokens=args.long_tokens,
+            max_tokens=args.max_tokens,
+            before=args.before,
+            after=args.after,
+            repeats=args.repeats,
+        )
+    command = (
+        f"VLLM_CPU_KVCACHE_SPACE={args.kv_cache_gib} cpuserve serve {' '.join(serve_args)} (from {checkout}); "
+        f"{args.clients} streaming completions; {args.repeats} x one {args.long_tokens}-token prompt"
+    )
+    print(render(result, command))
+    return 0

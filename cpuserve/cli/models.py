@@ -1,0 +1,135 @@
+"""`cpuserve doctor`, `quantize` and `convert`: inspecting and preparing models."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from cpuserve import defaults
+from cpuserve.cli.common import add_model_args
+from cpuserve.errors import CpuserveError
+
+log = logging.getLogger("cpuserve")
+
+
+def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+    doc = sub.add_parser("doctor", help="explain what was detected and chosen, and whether a model fits")
+    add_model_args(doc)
+    doc.add_argument("--no-model", action="store_true", help="report on the machine only")
+    doc.add_argument("--json", action="store_true", help="machine-readable output")
+    doc.add_argument("--max-model-len", type=int, default=None)
+    doc.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
+    doc.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
+    doc.set_defaults(func=cmd_doctor)
+
+
+def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
+    qz = sub.add_parser("quantize", help="quantize a checkpoint to compressed-tensors W4A8 or W8A8")
+    qz.add_argument("src", nargs="?", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
+    qz.add_argument("out_dir")
+    qz.add_argument("--scheme", required=True, choices=["w4a8", "w8a8"])
+    qz.add_argument("--group-size", type=int, default=None, help="w4a8: 32, 64 or 128 (default), 0 per channel")
+    qz.add_argument("--pack", action="store_true", help="pack-quantized (int32 words) instead of int-quantized")
+    qz.add_argument(
+        "--ignore",
+        action="append",
+        default=None,
+        help="modules left unquantized: names or re:patterns, comma-separated (default: lm_head)",
+    )
+    qz.add_argument(
+        "--scale-method",
+        default="mse",
+        choices=["mse", "minmax"],
+        help="mse: least-error scale per group (default); minmax: compressed-tensors' amax rule",
+    )
+    qz.add_argument(
+        "--calibration",
+        nargs="+",
+        default=None,
+        metavar="TEXT_FILE",
+        help="plain-text files to calibrate on: enables SmoothQuant folding and GPTQ (default: data-free RTN)",
+    )
+    qz.add_argument("--calibration-tokens", type=int, default=8192, help="at most this many calibration tokens")
+    qz.add_argument(
+        "--smoothquant",
+        type=float,
+        default=0.65,
+        help="SmoothQuant strength alpha with --calibration; 0: off",
+    )
+    qz.add_argument(
+        "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ error feedback with --calibration"
+    )
+    qz.add_argument("--force", action="store_true")
+    qz.add_argument("--cache-dir", default=None)
+    qz.set_defaults(func=cmd_quantize)
+
+
+def add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="convert a llama GGUF file into an HF directory (bf16 safetensors)")
+    conv.add_argument("gguf", help="the .gguf file")
+    conv.add_argument("out_dir", help="the HF directory to create")
+    conv.add_argument("--force", action="store_true", help="replace out_dir if it exists")
+    conv.set_defaults(func=cmd_convert)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import os
+
+    from cpuserve.doctor import build_report, render_json, render_text
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.platform.machine import detect_machine
+
+    model_dir = None
+    problems = []
+    if not args.no_model:
+        try:
+            model_dir = resolve_model(args.model, args.cache_dir)
+        except CpuserveError as exc:
+            problems.append(str(exc))
+    report = build_report(
+        detect_machine(),
+        os.environ,
+        model_dir,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    report["problems"][:0] = problems
+    print(render_json(report) if args.json else render_text(report))
+    return 1 if report["problems"] else 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.offline.calibrate import CalibrationOptions
+    from cpuserve.offline.quantize import quantize_checkpoint
+
+    src = resolve_model(args.src, args.cache_dir)
+    ignore = None if args.ignore is None else [i for part in args.ignore for i in part.split(",") if i]
+    out = quantize_checkpoint(
+        src,
+        Path(args.out_dir),
+        args.scheme,
+        args.group_size,
+        args.pack,
+        ignore,
+        args.force,
+        scale_method=args.scale_method,
+        calibration=[Path(p) for p in args.calibration or []],
+        calibration_options=CalibrationOptions(
+            smoothquant_alpha=None if args.smoothquant <= 0 else args.smoothquant, gptq=args.gptq
+        ),
+        calibration_tokens=args.calibration_tokens,
+    )
+    log.info("wrote %s", out)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from cpuserve.offline.gguf_convert import convert_gguf
+
+    out = convert_gguf(Path(args.gguf), Path(args.out_dir), force=args.force)
+    log.info("wrote %s", out)
+    return 0

@@ -1,0 +1,151 @@
+"""POST /v1/completions: prompts in any of the API's four forms, n choices each, JSON or SSE.
+
+Choice i * n + k is sequence k of prompt i. Prompt text is encoded off the event loop; the engine
+gets token ids.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from cpuserve.engine import RequestOutput
+from cpuserve.server import streaming
+from cpuserve.server.errors import APIError
+from cpuserve.server.logprobs import completion_logprobs, prompt_logprobs_json
+from cpuserve.server.protocol import CompletionRequest
+from cpuserve.server.state import Server
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+        return list(p)  # type: ignore[arg-type]
+    raise APIError(400, "prompt must be a string, a list of strings, token ids or lists of token ids", param="prompt")
+
+
+async def create_completion(server: Server, request: Request, req: CompletionRequest) -> Response:
+    server.check_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    prompts = _prompts(req)
+    server.check_capacity(len(prompts))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    jobs: list[streaming.Job] = []
+    for i, prompt in enumerate(prompts):
+        ids = await server.tokens.encode(prompt) if isinstance(prompt, str) else prompt
+        max_tokens = server.max_tokens(req.max_tokens, len(ids), DEFAULT_MAX_TOKENS)
+        params = req.sampling_params(req.logprobs, server.config.sampling_defaults, max_tokens)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs
+        jobs.append((f"{rid}-{i}", ids, params))
+    if req.stream:
+        merged = streaming.merge(server, await streaming.start(server, jobs))
+        return streaming.sse(_events(server, rid, created, req, merged))
+    finals = await streaming.collect(server, request, jobs)
+    if finals is None:
+        return Response(status_code=499)
+    return JSONResponse(await _body(server, rid, created, req, finals))
+
+
+async def _body(
+    server: Server, rid: str, created: int, req: CompletionRequest, finals: list[RequestOutput]
+) -> dict[str, Any]:
+    tokenizer = server.tokenizer
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, out in enumerate(finals):
+        prompt_tokens += len(out.prompt_token_ids)
+        prompt_text = await server.tokens.decode(out.prompt_token_ids, skip_special_tokens=False) if req.echo else ""
+        for o in out.outputs:
+            completion_tokens += len(o.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                entries = (list(out.prompt_logprobs or []) if req.echo else []) + list(o.logprobs or [])
+                logprobs = completion_logprobs(tokenizer, entries, 0)
+            choice = {
+                "index": i * req.n + o.index,
+                "text": prompt_text + o.text,
+                "logprobs": logprobs,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs)
+            choices.append(choice)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": server.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _events(
+    server: Server,
+    rid: str,
+    created: int,
+    req: CompletionRequest,
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[dict[str, Any]]:
+    """One event per choice whose text, logprobs or finish changed; usage last if asked for."""
+    sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, logprob entries sent)
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+    async for i, out in merged:
+        prompt_tokens[i] = len(out.prompt_token_ids)
+        for o in out.outputs:
+            idx = i * req.n + o.index
+            chars, nlp = sent.get(idx, (0, 0))
+            prefix = ""
+            if req.echo and idx not in sent:
+                prefix = await server.tokens.decode(out.prompt_token_ids, skip_special_tokens=False)
+            delta = o.text[chars:]
+            new_lp = (o.logprobs or [])[nlp:]
+            completion_tokens[idx] = len(o.token_ids)
+            if not (prefix or delta or o.finish_reason or new_lp):
+                continue
+            sent[idx] = (len(o.text), len(o.logprobs or []))
+            choice = {
+                "index": idx,
+                "text": prefix + delta,
+                "logprobs": completion_logprobs(server.tokenizer, new_lp, chars) if req.logprobs is not None else None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.model_name,
+                "choices": [choice],
+            }
+    if req.stream_options and req.stream_options.include_usage:
+        p, c = sum(prompt_tokens.values()), sum(completion_tokens.values())
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": server.model_name,
+            "choices": [],
+            "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+        }

@@ -1,0 +1,68 @@
+"""The engine's per-token logprobs in the three shapes the API uses.
+
+Completions (legacy): parallel lists of token texts, logprobs, top-k dicts and text offsets.
+Chat: one entry per token with its exact bytes (a token may be part of a UTF-8 character).
+Prompt logprobs (vLLM's extra): per prompt position, token id -> logprob, rank and decoded text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpuserve.engine import TokenLogprobs
+from cpuserve.tokenizer import Tokenizer
+
+
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs | None], offset: int) -> dict[str, Any]:
+    """`offset`: characters of the choice's text before the first entry (streamed deltas)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for e in entries:
+        if e is None:
+            continue
+        text = _text(tokenizer, e.token_id)
+        tokens.append(text)
+        token_lps.append(e.logprob)
+        tops.append({_text(tokenizer, t): lp for t, lp in e.top.items()})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
+    content = []
+    for e in entries:
+        item = _chat_entry(tokenizer, e.token_id, e.logprob)
+        item["top_logprobs"] = [_chat_entry(tokenizer, t, lp) for t, lp in e.top.items()]
+        content.append(item)
+    return {"content": content}
+
+
+def prompt_logprobs_json(tokenizer: Tokenizer, entries: list[TokenLogprobs | None] | None) -> list[Any] | None:
+    if entries is None:
+        return None
+    result: list[Any] = []
+    for e in entries:
+        if e is None:
+            result.append(None)
+            continue
+        item = {
+            str(t): {"logprob": lp, "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
+            for t, lp in e.top.items()
+        }
+        item[str(e.token_id)] = {
+            "logprob": e.logprob,
+            "rank": e.rank,
+            "decoded_token": tokenizer.decode([e.token_id], skip_special_tokens=False),
+        }
+        result.append(item)
+    return result

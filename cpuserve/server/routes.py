@@ -1,0 +1,100 @@
+"""The FastAPI app: the OpenAI routes and the server's own (/health, /version, /tokenize,
+/detokenize, /metrics). Each route checks the key, then hands over to its module."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from cpuserve import __version__
+from cpuserve.engine import AsyncEngine
+from cpuserve.server.auth import check_auth
+from cpuserve.server.body_limit import BodySizeLimit
+from cpuserve.server.chat import chat_prompt, create_chat_completion
+from cpuserve.server.completions import create_completion
+from cpuserve.server.errors import APIError, install_error_handlers
+from cpuserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from cpuserve.server.state import Server, ServerConfig
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    server = Server(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.tokens.shutdown()  # after the last connection closed: no request needs it now
+
+    app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    install_error_handlers(app)
+
+    def auth(request: Request) -> None:
+        check_auth(request, config.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        auth(request)
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": server.created,
+                "owned_by": "cpuserve",
+                "root": name,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in config.served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest) -> Response:
+        auth(request)
+        return await create_completion(server, request, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, req: ChatCompletionRequest) -> Response:
+        auth(request)
+        return await create_chat_completion(server, request, req)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request, req: TokenizeRequest) -> dict:
+        auth(request)
+        server.check_model(req.model)
+        if req.messages:
+            chat_req = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            ids = await chat_prompt(server, chat_req)
+        elif req.prompt is not None:
+            ids = await server.tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request, req: DetokenizeRequest) -> dict:
+        auth(request)
+        server.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": await server.tokens.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        auth(request)
+        return Response(server.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,57 @@
+"""What every handler shares: the engine, the configuration, metrics, the tokenizer pool, the drain flag.
+
+The server knows the engine only through AsyncEngine's public surface (generate, abort, tokenizer,
+max_model_len, vocab_size, stats); it never reaches inside it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpuserve.engine import AsyncEngine
+from cpuserve.server.errors import APIError
+from cpuserve.server.metrics import Metrics
+from cpuserve.server.tokenizing import TokenizerPool
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    chat_template: str | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    max_waiting_requests: int = 256
+    max_request_bytes: int = 16 * 1024 * 1024
+
+
+class Server:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer  # for shaping outputs (token bytes, short decodes)
+        self.tokens = TokenizerPool(self.tokenizer)  # for prompts: off the event loop
+        self.config = config
+        self.model_name = config.served_model_names[0]
+        self.metrics = Metrics(self.model_name)
+        self.created = int(time.time())
+        self.draining = False  # set on SIGTERM/SIGINT: running requests finish, new ones get 503
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
+
+    def check_capacity(self, extra: int) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", "ServiceUnavailableError", code="shutting_down")
+        if self.engine.stats().num_waiting + extra > self.config.max_waiting_requests:
+            raise APIError(
+                503, "The server is at capacity; retry shortly.", "ServiceUnavailableError", code="server_overloaded"
+            )
+
+    def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens, else what fits in the context (capped at `default` if given)."""
+        if requested is not None:
+            return requested
+        room = self.engine.max_model_len - prompt_len
+        return max(1, min(default, room) if default is not None else room)
