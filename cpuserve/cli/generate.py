@@ -39,14 +39,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cpuserve.model.footprint import model_facts, plan_model_memory
     from cpuserve.model.loader import load_model
     from cpuserve.model.resolve import resolve_model
+    from cpuserve.model.source import ModelSource
     from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 
     model_dir = resolve_model(args.model, args.cache_dir)
-    spec, _, facts = model_facts(model_dir, args.dtype)  # refuse before reading weights if it cannot fit
+    source = ModelSource.open(model_dir)  # config and headers read once, for the plan and the loader
+    spec, _, facts = model_facts(source, args.dtype)  # refuse before reading weights if it cannot fit
     plan_model_memory(machine, overrides, spec, facts, spec.max_position_embeddings, 1, 512)
     tokenizer = Tokenizer(model_dir)
     defaults = GenerationDefaults.load(model_dir)
-    model = load_model(model_dir, args.dtype)
+    model = load_model(source, args.dtype, quantize_lm_head=overrides.quantize_lm_head)
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
