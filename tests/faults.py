@@ -19,11 +19,11 @@ def install(patch=setattr) -> None:  # type: ignore[no-untyped-def]
         init(self, tokenizer, prompt_ids, params)
         self.injected_seed, self.injected_count = params.seed, 0
 
-    def faulty_add(self, token_id):  # type: ignore[no-untyped-def]
+    def faulty_add(self, token_id, *args):  # type: ignore[no-untyped-def]
         self.injected_count += 1
         if self.injected_seed == SEED_DETOKENIZE_FAULT and self.injected_count >= 3:
             raise UnicodeError("injected detokenizer fault")
-        return add(self, token_id)
+        return add(self, token_id, *args)
 
     def faulty_draw(x, seq):  # type: ignore[no-untyped-def]
         if seq.params.seed == SEED_SAMPLE_FAULT:

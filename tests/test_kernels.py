@@ -159,7 +159,7 @@ def test_unpack_reads_both_int4_layouts():
 
 
 def test_unpack_reads_the_panel_layouts():
-    """Panel bytes built by hand, value by value, from the layout's definition (qlinear_panels.h)."""
+    """Panel bytes built by hand, value by value, from the layout's definition (kernels/csrc/panel_layout.h)."""
     gen = torch.Generator().manual_seed(6)
     n, k = 21, 64  # a full panel of 16 columns and a last one of 5
     q4 = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)

@@ -103,6 +103,7 @@ def quantized(smol_dir, tmp_path_factory):
         "w4a8": quantize_checkpoint(smol_dir, root / "w4a8", "w4a8", 64, progress=False),
         "w4a8-packed": quantize_checkpoint(smol_dir, root / "w4a8p", "w4a8", 64, pack=True, progress=False),
         "w8a8": quantize_checkpoint(smol_dir, root / "w8a8", "w8a8", progress=False),
+        "w8a8-packed": quantize_checkpoint(smol_dir, root / "w8a8p", "w8a8", pack=True, progress=False),
     }
 
 
@@ -110,7 +111,12 @@ def test_round_trip_each_layer_against_its_reference(smol_dir, quantized):
     base = load_model(smol_dir, "float32", fuse=False)
     linears = {n: m for n, m in base.named_modules() if isinstance(m, Linear) and n != "lm_head"}
     x = torch.randn(6, 1536, generator=torch.Generator().manual_seed(0))
-    budgets = {"w4a8": 0.25, "w4a8-packed": 0.25, "w8a8": 0.03}  # relative error vs the unquantized layer
+    budgets = {
+        "w4a8": 0.25,
+        "w4a8-packed": 0.25,
+        "w8a8": 0.03,
+        "w8a8-packed": 0.03,
+    }  # relative error vs the unquantized layer
     loaded = {kind: load_model(path, "float32", fuse=False) for kind, path in quantized.items()}
     for name, ref_linear in linears.items():
         xi = x[:, : ref_linear.in_features]
@@ -139,6 +145,7 @@ def test_quantized_models_stay_close_to_bf16_and_spellings_agree(quantized, smol
     base = load_model(smol_dir, "float32")(ids)[0]
     logits = {kind: load_model(path, "float32")(ids)[0] for kind, path in quantized.items()}
     assert torch.equal(logits["w4a8"], logits["w4a8-packed"])  # the two spellings are one model
+    assert torch.equal(logits["w8a8"], logits["w8a8-packed"])
     for kind, (min_agree, max_kl) in {"w8a8": (0.85, 0.1), "w4a8": (0.5, 1.0)}.items():
         agree = (logits[kind].argmax(-1) == base.argmax(-1)).float().mean().item()
         kl = torch.nn.functional.kl_div(

@@ -55,7 +55,9 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
-        self._stops: list[tuple[str, int, str]] = []  # (request id, sequence index, stop string)
+        # (the request's add, sequence index, stop string): keyed by the add, not the id, so a stop
+        # that arrives after its request ended can never finish a new request reusing the id.
+        self._stops: list[tuple[_Add, int, str]] = []
         self._cancel_all: str | None = None
         self._streams: dict[str, _Add] = {}
         self._stopping = False
@@ -83,7 +85,11 @@ class AsyncEngine:
         with self._cond:
             self._adds.append(add)
             self._cond.notify()
-        await asyncio.wrap_future(add.accepted)
+        try:
+            await asyncio.wrap_future(add.accepted)
+        except asyncio.CancelledError:  # gone before the engine took it: queued after the add, so applied after
+            self.abort(request_id)
+            raise
         finished = False
         try:
             while True:
@@ -96,7 +102,7 @@ class AsyncEngine:
                 if item.error is not None:
                     finished = True
                     raise RequestFailed(item.error)
-                out = self._process(state, item)
+                out = self._process(add, state, item)
                 if out is None:
                     continue
                 finished = out.finished
@@ -107,7 +113,7 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def _process(self, state: RequestState, item: EngineCoreOutput) -> RequestOutput | None:
+    def _process(self, add: _Add, state: RequestState, item: EngineCoreOutput) -> RequestOutput | None:
         """Text for one engine-core output; stop strings found are sent to the engine thread. A
         fault here fails this request alone (RequestFailed; the engine aborts it)."""
         request_id = state.request.request_id
@@ -119,7 +125,7 @@ class AsyncEngine:
             raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
         if stops:
             with self._cond:
-                self._stops.extend((request_id, index, stop) for index, stop in stops)
+                self._stops.extend((add, index, stop) for index, stop in stops)
                 self._cond.notify()
         return out
 
@@ -182,6 +188,8 @@ class AsyncEngine:
                 cancel, self._cancel_all = self._cancel_all, None
             for add in adds:
                 request_id = add.request.request_id
+                if not add.accepted.set_running_or_notify_cancel():
+                    continue  # its caller went away before the engine took it
                 if request_id in self._streams:
                     add.accepted.set_exception(InvalidRequest("request_id", f"{request_id!r} is already running"))
                     continue
@@ -192,7 +200,10 @@ class AsyncEngine:
                     continue
                 self._streams[request_id] = add
                 add.accepted.set_result(None)
-            for request_id, index, stop in stops:
+            for add, index, stop in stops:
+                request_id = add.request.request_id
+                if self._streams.get(request_id) is not add:
+                    continue  # it ended (or was aborted) before the stop arrived
                 engine.finish_by_stop_string(request_id, index, stop)
                 if not engine.has_request(request_id):
                     self._streams.pop(request_id, None)

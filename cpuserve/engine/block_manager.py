@@ -58,8 +58,9 @@ class BlockManager:
         return block
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the sequence's leading full blocks; the last token is always computed."""
-        if not self.enable_prefix_caching:
+        """Cached blocks for the sequence's leading full blocks; the last token is always computed.
+        None for a sequence that asks for prompt logprobs: they need every position computed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         tokens = seq.token_ids
         hits, parent = [], None

@@ -20,6 +20,7 @@ from cpuserve import defaults
 from cpuserve.engine.block_manager import BlockManager
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.requests import EngineCoreOutput, EngineCoreRequest, SequenceDelta
+from cpuserve.engine.sampling_params import InvalidRequest
 from cpuserve.engine.scheduler import Scheduler, SequenceUpdate
 from cpuserve.engine.sequence import Sequence
 from cpuserve.engine.stats import EngineStats
@@ -55,6 +56,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the input processor accepted: n sequences, each with its own generator."""
+        if request.request_id in self.requests:
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         params, seqs = request.params, []
         allowed = None
         if params.allowed_token_ids is not None:

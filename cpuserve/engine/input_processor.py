@@ -1,6 +1,7 @@
 """Requests become engine-core requests before they reach the engine thread: prompts tokenized,
-sampling parameters and lengths validated. Runs on the caller's thread (the server calls it off
-its event loop), so a long prompt's tokenization never delays anybody's decode step."""
+sampling parameters and lengths validated. Runs on the caller's thread (AsyncEngine runs a text
+prompt's on a worker thread; the server tokenizes on its own pool and sends ids), and encodes
+with the GIL released, so a long prompt's tokenization never delays anybody's decode step."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class InputProcessor:
         """Tokenize and validate; an impossible request raises InvalidRequest naming the parameter."""
         params.validate(self.vocab_size)
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode_off_gil(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

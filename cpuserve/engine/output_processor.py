@@ -65,8 +65,8 @@ class RequestState:
                     seq.cumulative_logprob += info.logprob
                 last = j == len(delta.new_token_ids) - 1
                 core_stop = last and delta.finish_reason == "stop"  # EOS or a stop token id: no text
-                found = None if core_stop else seq.text.add(token)
-                if found is not None and len(seq.token_ids) >= p.min_tokens:
+                found = None if core_stop else seq.text.add(token, len(seq.token_ids) >= p.min_tokens)
+                if found is not None:
                     seq.finish_reason, seq.stop_reason = "stop", found
                     stops.append((delta.index, found))
                     break

@@ -10,8 +10,8 @@ class EngineStats:
     num_running: int  # sequences in the running batch
     num_waiting: int  # sequences waiting to be scheduled
     kv_usage: float  # fraction of KV cache blocks in use
-    prefix_queries: int  # full prompt blocks looked up in the prefix cache
-    prefix_hits: int  # of which found
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which served from it
     num_preemptions: int
     steps: int
     prompt_tokens: int

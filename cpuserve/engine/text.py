@@ -19,11 +19,12 @@ class SequenceText:
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
 
-    def add(self, token_id: int) -> str | None:
-        """Append a token's text; return the stop string that ended the sequence, if one did."""
+    def add(self, token_id: int, may_stop: bool = True) -> str | None:
+        """Append a token's text; return the stop string that ended the sequence, if one did.
+        With may_stop False (min_tokens not reached yet) stop strings are not looked for."""
         start = len(self.text)
         self.text += self.detok.add(token_id)
-        if not self.stops:
+        if not self.stops or not may_stop:
             return None
         # A stop string may begin up to holdback characters before the new text.
         search_from = max(0, start - self.holdback)

@@ -38,7 +38,7 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the header's length
 
 
 @dataclass(frozen=True)
@@ -50,39 +50,63 @@ class TensorEntry:
     end: int
 
 
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0  # not bool, not float, not negative
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """One file's tensors from its header, parsed once and checked as safetensors checks it: JSON of
-    a known size, every dtype known, every byte range inside the data and as long as its shape."""
+    """One file's tensors from its header, parsed once and checked as safetensors checks it: a
+    UTF-8 JSON object of a bounded length, every dtype known, whole non-negative dimensions and
+    offsets, each tensor's byte range as long as its shape needs, and the ranges tiling the data
+    exactly (no overlap, no gap, nothing after)."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a readable safetensors file ({why})")
+
     try:
         size_on_disk = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if not 0 < n <= min(_MAX_HEADER, size_on_disk - 8):
-                raise ValueError("the header length is out of range")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+                raise bad("the header length is out of range")
+            raw = f.read(n)
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise bad("the header is not a JSON object")
+        header = json.loads(text)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise bad(str(exc)) from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a readable safetensors file (the header is not a JSON object)")
+        raise bad("the header is not a JSON object")
     data_start, entries = 8 + n, {}
     for name in sorted(header):  # by name, as safetensors lists them
         info = header[name]
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: not a readable safetensors file (bad entry for '{name}')") from None
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+            raise bad(f"tensor '{name}' has shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
+            raise bad(f"tensor '{name}' has data_offsets {offsets!r}")
         if dtype not in _DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, which cpuserve does not read")
+        begin, end = offsets
         count = math.prod(shape) * _DTYPES[dtype].itemsize
-        if not (0 <= begin <= end and end - begin == count and data_start + end <= size_on_disk):
-            raise CheckpointError(
-                f"{path}: not a readable safetensors file (tensor '{name}' has byte range [{begin}, {end}) "
-                f"for {count} bytes in a file of {size_on_disk})"
-            )
-        entries[name] = TensorEntry(path, dtype, shape, data_start + begin, data_start + end)
+        if end - begin != count:
+            raise bad(f"tensor '{name}' has byte range [{begin}, {end}) for {count} bytes")
+        entries[name] = TensorEntry(path, dtype, tuple(shape), data_start + begin, data_start + end)
+    position = data_start
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != position:
+            raise bad(f"the tensors' byte ranges {'overlap' if entry.begin < position else 'leave a gap'}")
+        position = entry.end
+    if position != size_on_disk:
+        raise bad(
+            f"the tensors cover {position - data_start} bytes of data but the file holds {size_on_disk - data_start}"
+        )
     return entries
 
 

@@ -223,7 +223,7 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def native_decode_plan(self) -> list | None:
-        """The native decode plans, built on first use (after loading, kernel routing and fusion)."""
+        """The native decode plans, built on first use (after loading: every layer is packed and fused by then)."""
         if not hasattr(self, "_native_plan"):
             self._native_plan = native_decode.build_plan(self)
             log.info("decode steps: %s", "native (one call per step)" if self._native_plan else "Python layer loop")

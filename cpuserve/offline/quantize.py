@@ -91,7 +91,7 @@ def quantize_checkpoint(
     calibration_window: int = 512,
 ) -> Path:
     """Write OUT as a compressed-tensors checkpoint; with calibration texts, smoothing and GPTQ
-    (cpuserve/quant/calibrate.py) replace plain round-to-nearest."""
+    (cpuserve/offline/calibrate.py) replace plain round-to-nearest."""
     if scheme not in SCHEMES:
         raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     bits = SCHEMES[scheme]

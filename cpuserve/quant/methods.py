@@ -34,7 +34,7 @@ class KernelChoice:
     """The native kernels and the variant chosen once at start for every quantized linear."""
 
     kernels: ModuleType
-    variant: str
+    variant: Any  # the variant's table row (kernels.variant(name)), equal to its name
 
 
 def select_kernel() -> KernelChoice | None:
@@ -224,9 +224,12 @@ class IntWeightMethod:
         """Pack once for `kernel` (or unpack the words for the reference path, when there is none
         or the shapes do not fit it); the checkpoint's copies are dropped."""
         k, bits4 = layer.in_features, self.quant.bits == 4
+        if kernel is not None and layer.kernel is kernel:
+            return  # already packed for it
+        if layer.weight_words is not None and (not bits4 or kernel is None or not self.fits(k)):
+            # int4 words go straight to the kernel's nibbles below; everything else needs the values
+            layer.qweight, layer.weight_words = unpack_int(layer.weight_words, self.quant.bits, k), None
         if kernel is None or not self.fits(k):
-            if layer.weight_words is not None:
-                layer.qweight, layer.weight_words = unpack_int(layer.weight_words, self.quant.bits, k), None
             return
         mod, variant = kernel.kernels, kernel.variant
         if bits4:

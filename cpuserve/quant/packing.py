@@ -28,7 +28,7 @@ def unpack_int(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return (u.view(packed.shape[0], -1)[:, :k] - (1 << (bits - 1))).to(torch.int8)
 
 
-PANEL = 16  # output columns per panel in the panel layouts (kernels/csrc/qlinear_panels.h)
+PANEL = 16  # output columns per panel in the panel layouts (kernels/csrc/panel_layout.h)
 
 
 def _unpanel(packed: torch.Tensor, n: int, per_column: int, unpack) -> torch.Tensor:  # type: ignore[no-untyped-def]
