@@ -177,3 +177,23 @@ def test_a_row_mask_limits_the_draw_and_leaves_other_rows_alone(our_smol):
         assert out.sampled[0][0].token in allowed
         assert out.sampled[1][0].token == best_allowed
         assert out.sampled[2][0].token == int(logits.argmax())
+
+
+def test_long_prefill_token_threshold_caps_every_prefill_chunk():
+    """vLLM's --long-prefill-token-threshold: running streams wait for one chunk, not a prompt."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=512, long_prefill_token_threshold=16)
+    stream = make_seq([1, 2, 3], max_tokens=100)
+    sched.add(stream)
+    step(sched)
+    long = make_seq(list(range(100, 150)), max_tokens=1)  # 50 prompt tokens
+    sched.add(long)
+    chunks = []
+    while not long.finished:
+        batch, _ = step(sched)
+        assert (stream, 1) in batch.items  # the stream decodes every step
+        chunks += [n for s, n in batch.items if s is long]
+    assert chunks == [16, 16, 16, 2]
+    unlimited = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=512)
+    other = make_seq(list(range(100, 150)), max_tokens=1)
+    unlimited.add(other)
+    assert step(unlimited)[0].items == [(other, 50)]

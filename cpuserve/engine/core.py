@@ -37,6 +37,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: sized by the platform memory plan
+    long_prefill_token_threshold: int = 0  # vLLM's: at most this many prompt tokens per request and step
 
 
 class EngineCore:
@@ -45,7 +46,12 @@ class EngineCore:
         self.vocab_size = model.spec.vocab_size
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, max_model_len, eos_ids
+            self.blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            eos_ids,
+            config.long_prefill_token_threshold,
         )
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, eos_ids)
         self.requests: dict[str, list[Sequence]] = {}

@@ -81,12 +81,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
+        # vLLM's long_prefill_token_threshold: a prefill chunk is at most this long (0: only the
+        # budget limits it), so the decodes batched with it wait for one chunk, not a whole prompt.
+        self.prefill_chunk = long_prefill_token_threshold
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputed ones count again)
         self.num_generated_tokens = 0
         self.max_num_seqs = max_num_seqs
@@ -133,7 +137,7 @@ class Scheduler:
                 break
             if seq.status != Status.RUNNING:  # preempted while making room for another
                 continue
-            want = min(seq.num_tokens - seq.num_computed, budget)
+            want = self._chunk(seq.num_tokens - seq.num_computed, budget)
             if self._fit_running(seq, want, batch):
                 batch.items.append((seq, want))
         budget = self.max_num_batched_tokens - batch.num_tokens
@@ -142,16 +146,21 @@ class Scheduler:
             return batch  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.allocate_for_admission(seq, budget):
+            if not self.blocks.allocate_for_admission(seq, self._chunk(seq.num_tokens, budget)):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            want = min(seq.num_tokens - seq.num_computed, budget)
+            want = self._chunk(seq.num_tokens - seq.num_computed, budget)
             batch.items.append((seq, want))
             budget -= want
         batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
         return batch
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """How many of a sequence's remaining tokens run this step."""
+        want = min(remaining, budget)
+        return min(want, self.prefill_chunk) if self.prefill_chunk > 0 else want
 
     def update_from_output(self, batch: ScheduledBatch, out: StepOutput) -> list[SequenceUpdate]:
         """Advance every scheduled sequence by what the step computed; one update per item, in

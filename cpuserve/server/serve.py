@@ -45,6 +45,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="at most this many prompt tokens of one request per step (0: no cap), so running streams "
+        "wait for one chunk of a long prompt, not all of it",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         help="auto: sampling defaults from the model's generation_config.json; vllm: none; or a folder",
@@ -107,6 +114,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
     if args.shutdown_timeout < 0:
         raise CpuserveError("--shutdown-timeout must be >= 0")
+    if args.long_prefill_token_threshold < 0:
+        raise CpuserveError("--long-prefill-token-threshold must be >= 0 (0: no cap)")
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise CpuserveError(f"--{name.replace('_', '-')} must be at least 1")
@@ -168,6 +177,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
     )
     engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
