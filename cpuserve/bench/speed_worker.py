@@ -16,9 +16,13 @@ def main() -> None:
     start = time.perf_counter()
     import torch
 
-    from cpuserve.model.loader import load_model
+    import os
 
-    model = load_model(model_dir, "auto")
+    from cpuserve.model.loader import load_model
+    from cpuserve.platform.overrides import read_overrides
+
+    # CPUSERVE_QUANTIZE_LM_HEAD (the suite sets it) is read with the other overrides, as serve does.
+    model = load_model(model_dir, "auto", quantize_lm_head=read_overrides(os.environ).quantize_lm_head)
     load_s = time.perf_counter() - start
     from cpuserve.quant.linear import Linear
 
