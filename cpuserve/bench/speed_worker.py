@@ -14,9 +14,9 @@ from pathlib import Path
 def main() -> None:
     model_dir, prompt_tokens, decode_tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     start = time.perf_counter()
-    import torch
-
     import os
+
+    import torch
 
     from cpuserve.model.loader import load_model
     from cpuserve.platform.overrides import read_overrides
