@@ -264,3 +264,21 @@ def test_reference_launch_command_with_cpuserve(smol_dir, cache_dir, tmp_path):
     assert "--enforce-eager accepted; no effect" in text
     assert "FLAGGEMS_VENDOR=arm is not needed by cpuserve" in text
     assert "listening on http://127.0.0.1:" in text
+
+
+def test_allowed_token_ids_limit_every_draw_and_bad_ones_are_refused(client, tokenizer):
+    """vLLM's allowed_token_ids: a per-row logits mask; sampled at temperature 1, only those come out."""
+    allowed = tokenizer.encode(" red green blue", add_special_tokens=False)
+    out = client.completions.create(
+        model=MODEL,
+        prompt="My favourite colour is",
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+        logprobs=0,
+    )
+    tokens = out.choices[0].logprobs.tokens
+    assert len(tokens) == 8 and set(tokens) <= {tokenizer.decode([t]) for t in allowed}
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": [10**7]})

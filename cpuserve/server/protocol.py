@@ -39,6 +39,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
@@ -74,6 +75,7 @@ class SamplingFields(BaseModel):
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
