@@ -102,7 +102,7 @@ class ModelRunner:
         input_ids, positions, meta = self._metadata(batch)
         hidden = self.model.forward_tokens(input_ids, positions, PagedAttention(self.cache, meta, self.gqa))
         samplers, rows, prompt_logits = [], [], {}
-        num_sampled = batch.num_sampled or [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
+        num_sampled = batch.num_sampled
         row = 0
         for i, (seq, n) in enumerate(batch.items):
             k = min(num_sampled[i], n)

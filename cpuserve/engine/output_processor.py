@@ -55,7 +55,8 @@ class RequestState:
         stops = []
         for delta in out.deltas:
             seq = self.seqs[delta.index]
-            self.num_cached_tokens = delta.num_cached_tokens if delta.index == 0 else self.num_cached_tokens
+            if delta.index == 0:  # as vLLM reports it: the first sequence's prefix-cache hit
+                self.num_cached_tokens = delta.num_cached_tokens
             if seq.finish_reason is not None:
                 continue  # ended here by a stop string: later tokens never existed
             for j, (token, info) in enumerate(zip(delta.new_token_ids, delta.new_logprobs, strict=True)):

@@ -31,7 +31,7 @@ class ScheduledBatch:
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    num_sampled: list[int] = field(default_factory=list)
+    num_sampled: list[int] = field(default_factory=list)  # one per item, set when scheduled
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +128,13 @@ class Scheduler:
         return True
 
     def schedule(self) -> ScheduledBatch:
+        batch = self._fill()
+        # Sampled positions, fixed now (num_computed moves on in update_from_output): one for
+        # every item that reaches the end of its sequence.
+        batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
+        return batch
+
+    def _fill(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
@@ -142,7 +149,6 @@ class Scheduler:
                 batch.items.append((seq, want))
         budget = self.max_num_batched_tokens - batch.num_tokens
         if batch.preempted:
-            batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
             return batch  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -154,7 +160,6 @@ class Scheduler:
             want = self._chunk(seq.num_tokens - seq.num_computed, budget)
             batch.items.append((seq, want))
             budget -= want
-        batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
         return batch
 
     def _chunk(self, remaining: int, budget: int) -> int:

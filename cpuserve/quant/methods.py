@@ -52,15 +52,20 @@ class Checkpoint(Protocol):
     def file_of(self, name: str) -> Any: ...
 
 
+def _checked_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...], what: str) -> None:
+    """Before any data is read: the tensor's shape is the one expected, else the error naming it."""
+    if tuple(ckpt.shape(name)) != shape:
+        raise CheckpointError(
+            f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(ckpt.shape(name))}, expected {list(shape)} {what}"
+        )
+
+
 def fetch(
     ckpt: Checkpoint, name: str, shape: tuple[int, ...], kinds: tuple[torch.dtype, ...], what: str
 ) -> torch.Tensor:
     """A checkpoint tensor with the expected shape and one of the expected dtypes, else the error
     naming the file, the tensor, what it is and what was expected."""
-    if tuple(ckpt.shape(name)) != shape:  # checked before the data is read
-        raise CheckpointError(
-            f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(ckpt.shape(name))}, expected {list(shape)} {what}"
-        )
+    _checked_shape(ckpt, name, shape, what)
     t = ckpt.get(name)
     if t.dtype not in kinds:
         raise CheckpointError(
@@ -72,11 +77,7 @@ def fetch(
 
 def fetch_float(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A float checkpoint tensor (any float dtype: the model converts it) of the expected shape."""
-    if tuple(ckpt.shape(name)) != shape:
-        raise CheckpointError(
-            f"{ckpt.file_of(name)}: tensor '{name}' has shape {list(ckpt.shape(name))}, "
-            f"expected {list(shape)} from config.json"
-        )
+    _checked_shape(ckpt, name, shape, "from config.json")
     t = ckpt.get(name)
     if not t.is_floating_point():
         raise CheckpointError(
@@ -95,20 +96,13 @@ def _real(layer: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> 
     return t
 
 
+@dataclass(frozen=True)
 class DenseMethod:
     """An unquantized linear in the compute dtype: torch's matmul, or the float native decode path."""
 
+    dtype: torch.dtype
     quant = None
     name = "dense"
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, DenseMethod) and other.dtype == self.dtype
-
-    def __hash__(self) -> int:
-        return hash(self.dtype)
 
     def create_weights(self, layer: Any) -> None:
         weight = torch.empty(layer.out_features, layer.in_features, dtype=self.dtype)
@@ -121,7 +115,7 @@ class DenseMethod:
         name, rows = f"{prefix}.weight", layer.shard_rows(shard)
         t = fetch_float(ckpt, name, (rows.stop - rows.start, layer.in_features))
         if layer.weight.is_meta:
-            layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device="cpu"), requires_grad=False)
+            layer.weight = torch.nn.Parameter(torch.empty(layer.weight.shape, dtype=self.dtype), requires_grad=False)
         layer.weight.data[rows] = t.to(self.dtype)
 
     def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
@@ -134,6 +128,7 @@ class DenseMethod:
         return kernels.NativeLinear(0, layer.weight, torch.empty(0), layer.bias, None)
 
 
+@dataclass(frozen=True)
 class IntWeightMethod:
     """W8A8 (int8 per output channel) and W4A8 (int4 per group), int8 per-token activations.
 
@@ -143,15 +138,12 @@ class IntWeightMethod:
     W8A8 on a kernel whose layout is the int8 rows themselves keeps `qweight`. Without a kernel:
     `qweight` int8 [N, K] for the reference forward."""
 
-    def __init__(self, quant: WeightQuant, dtype: torch.dtype) -> None:
-        self.quant, self.dtype = quant, dtype
-        self.name = quant.name
+    quant: WeightQuant
+    dtype: torch.dtype
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, IntWeightMethod) and (other.quant, other.dtype) == (self.quant, self.dtype)
-
-    def __hash__(self) -> int:
-        return hash((self.quant, self.dtype))
+    @property
+    def name(self) -> str:
+        return self.quant.name
 
     def groups(self, k: int) -> int:
         return k // self.quant.group_size if self.quant.group_size else 1
