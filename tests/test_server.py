@@ -6,6 +6,7 @@ import json
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
 import torch
 
@@ -282,3 +283,33 @@ def test_allowed_token_ids_limit_every_draw_and_bad_ones_are_refused(client, tok
     assert len(tokens) == 8 and set(tokens) <= {tokenizer.decode([t]) for t in allowed}
     with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": [10**7]})
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"echo": True}, "echo"),
+    ],
+)
+def test_parameters_not_honoured_yet_are_refused_not_ignored(server, body, param):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **body}
+    r = httpx.post(f"{server}/v1/chat/completions", json=request, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_those_parameters_are_served(client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        extra_body={"tools": [], "tool_choice": "none"},
+    )
+    assert out.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=1, extra_body={"best_of": 3})

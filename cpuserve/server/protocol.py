@@ -14,10 +14,39 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+# Parameters OpenAI or vLLM define that this server does not honour yet: a request that gives one a
+# value that would change the answer is refused (400 naming it), never served as if it had not.
+# Unknown names stay ignored, as OpenAI's own server ignores them.
+NOT_HONOURED = {
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "response_format": lambda v: v is not None and v != {"type": "text"},
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+}
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions, mapped onto SamplingParams."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept, so NOT_HONOURED can see what was sent
+
+    def refuse_unhonoured(self) -> None:
+        given = {
+            **(self.model_extra or {}),
+            **{k: getattr(self, k) for k in NOT_HONOURED if k in type(self).model_fields},
+        }
+        for name, changes_the_answer in NOT_HONOURED.items():
+            if changes_the_answer(given.get(name)):
+                raise InvalidRequest(name, "is not supported by this server yet; the request was not run")
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of != getattr(self, "n", 1):
+            raise InvalidRequest("best_of", "only best_of equal to n is supported")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -53,6 +82,7 @@ class SamplingFields(BaseModel):
                 return value
             return defaults.get(name) if defaults.get(name) is not None else fallback
 
+        self.refuse_unhonoured()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
@@ -111,6 +141,11 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+
+    def refuse_unhonoured(self) -> None:
+        super().refuse_unhonoured()
+        if self.echo:
+            raise InvalidRequest("echo", "is not supported on chat completions")
 
 
 class TokenizeRequest(BaseModel):
