@@ -1,5 +1,6 @@
 """The FastAPI app: the OpenAI routes and the server's own (/health, /version, /tokenize,
-/detokenize, /metrics). Each route checks the key, then hands over to its module."""
+/detokenize, /metrics). The key is checked by APIKeyAuth before any route runs; each route
+hands over to its module."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi.responses import Response
 
 from cpuserve import __version__
 from cpuserve.engine import AsyncEngine
-from cpuserve.server.auth import check_auth
+from cpuserve.server.auth import APIKeyAuth
 from cpuserve.server.body_limit import BodySizeLimit
 from cpuserve.server.chat import chat_prompt, create_chat_completion
 from cpuserve.server.completions import create_completion
@@ -31,10 +32,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    # Added last, so outermost (Starlette puts each add_middleware in front of the ones before it):
+    # a request without the key gets 401 before its body is read, counted (413) or parsed (400).
+    app.add_middleware(APIKeyAuth, api_key=config.api_key)
     install_error_handlers(app)
-
-    def auth(request: Request) -> None:
-        check_auth(request, config.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -45,8 +46,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        auth(request)
+    async def models() -> dict:
         data = [
             {
                 "id": name,
@@ -62,17 +62,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest) -> Response:
-        auth(request)
         return await create_completion(server, request, req)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatCompletionRequest) -> Response:
-        auth(request)
         return await create_chat_completion(server, request, req)
 
     @app.post("/tokenize")
-    async def tokenize(request: Request, req: TokenizeRequest) -> dict:
-        auth(request)
+    async def tokenize(req: TokenizeRequest) -> dict:
         server.check_model(req.model)
         if req.messages:
             chat_req = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
@@ -84,8 +81,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(request: Request, req: DetokenizeRequest) -> dict:
-        auth(request)
+    async def detokenize(req: DetokenizeRequest) -> dict:
         server.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
         if bad:
@@ -93,8 +89,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return {"prompt": await server.tokens.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        auth(request)
+    async def metrics() -> Response:
         return Response(server.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
