@@ -10,6 +10,7 @@ from cpuserve.engine.outputs import CompletionOutput, RequestOutput
 from cpuserve.engine.sampling_params import MAX_LOGPROBS, MAX_N, InvalidRequest, SamplingParams
 from cpuserve.engine.sequence import TokenLogprobs
 from cpuserve.engine.stats import EngineStats
+from cpuserve.engine.structured import StructuredOutputs
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -25,5 +26,6 @@ __all__ = [
     "RequestFailed",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
     "TokenLogprobs",
 ]

@@ -76,7 +76,8 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running") from self.error
         loop = asyncio.get_running_loop()
-        if isinstance(prompt, str):  # tokenizing may take milliseconds: not on the event loop
+        if isinstance(prompt, str) or params.structured_outputs is not None:
+            # tokenizing or compiling a grammar may take milliseconds: not on the event loop
             request = await loop.run_in_executor(None, self.engine.inputs.process, request_id, prompt, params)
         else:
             request = self.engine.inputs.process(request_id, prompt, params)

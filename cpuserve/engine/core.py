@@ -74,6 +74,7 @@ class EngineCore:
             gen.manual_seed((params.seed + index) % 2**63 if params.seed is not None else random.getrandbits(63))
             seq = Sequence(next(self._seq_ids), request.request_id, index, list(request.prompt_ids), params, gen)
             seq.allowed = allowed
+            seq.grammar = request.grammar.new_state() if request.grammar is not None else None
             seqs.append(seq)
         self.requests[request.request_id] = seqs
         for seq in seqs:
@@ -143,6 +144,7 @@ class EngineCore:
             finish_reason=seq.finish_reason if seq.finished else None,
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
+            ended_by_token=seq.finished and seq.ended_by_token,
         )
 
     def _fail(self, request_id: str, exc: BaseException) -> EngineCoreOutput:

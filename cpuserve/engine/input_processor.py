@@ -1,5 +1,5 @@
 """Requests become engine-core requests before they reach the engine thread: prompts tokenized,
-sampling parameters and lengths validated. Runs on the caller's thread (AsyncEngine runs a text
+sampling parameters and lengths validated, constraints compiled. Runs on the caller's thread (AsyncEngine runs a text
 prompt's on a worker thread; the server tokenizes on its own pool and sends ids), and encodes
 with the GIL released, so a long prompt's tokenization never delays anybody's decode step."""
 
@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from cpuserve.engine.requests import EngineCoreRequest
 from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
+from cpuserve.engine.structured import GrammarCompiler
 from cpuserve.tokenizer import Tokenizer
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.grammars = grammars
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineCoreRequest:
         """Tokenize and validate; an impossible request raises InvalidRequest naming the parameter."""
@@ -38,4 +42,9 @@ class InputProcessor:
                 f"{params.max_tokens} + {len(ids)} prompt tokens exceeds max_model_len "
                 f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)}",
             )
-        return EngineCoreRequest(request_id, ids, params, text)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequest(params.structured_outputs.param, "this engine has no grammar compiler")
+            grammar = self.grammars.compile(params.structured_outputs)
+        return EngineCoreRequest(request_id, ids, params, text, grammar=grammar)

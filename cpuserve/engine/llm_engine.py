@@ -13,6 +13,7 @@ from cpuserve.engine.output_processor import RequestState
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.engine.stats import EngineStats
+from cpuserve.engine.structured import GrammarCompiler
 from cpuserve.errors import ConfigError
 from cpuserve.model.decoder import CausalLM
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
@@ -59,7 +60,8 @@ class LLMEngine:
         self.vocab_size = model.spec.vocab_size
         self.eos_ids = eos_token_ids(model, tokenizer, defaults or GenerationDefaults())
         self.core = EngineCore(model, config, max_len, self.eos_ids)
-        self.inputs = InputProcessor(tokenizer, self.vocab_size, max_len)
+        self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_ids)
+        self.inputs = InputProcessor(tokenizer, self.vocab_size, max_len, self.grammars)
         self.states: dict[str, RequestState] = {}
         self.facts: dict | None = None  # the model's footprint facts when built by from_model_dir
 

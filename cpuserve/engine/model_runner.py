@@ -11,6 +11,7 @@ import torch
 from cpuserve.engine.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from cpuserve.engine.sampler import sample, token_logprobs
 from cpuserve.engine.scheduler import Sampled, ScheduledBatch, StepOutput
+from cpuserve.engine.structured import MaskComputer
 from cpuserve.model.decoder import CausalLM
 
 
@@ -34,6 +35,13 @@ class ModelRunner:
             spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, model.dtype
         )
         self.gqa = spec.num_heads != spec.num_kv_heads
+        self._masks: MaskComputer | None = None  # made when the first constrained row samples
+
+    @property
+    def masks(self) -> MaskComputer:
+        if self._masks is None:
+            self._masks = MaskComputer(self.model.spec.vocab_size)
+        return self._masks
 
     def _metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids, positions, slots = [], [], []
@@ -73,7 +81,14 @@ class ModelRunner:
     def execute_model(self, batch: ScheduledBatch) -> StepOutput:
         """The forward pass, then one draw per sampled row and the prompt logprobs asked for. A
         fault in one item's sampling or logprobs is that item's (in the output); a fault in the
-        forward pass is the batch's and propagates."""
+        forward pass is the batch's and propagates. The grammar masks of constrained rows are
+        computed on another thread while the forward pass runs."""
+        constrained = [
+            i
+            for i, (seq, _) in enumerate(batch.items)
+            if batch.num_sampled[i] and seq.grammar is not None and seq.grammar.active
+        ]
+        pending = self.masks.start([batch.items[i][0].grammar for i in constrained]) if constrained else None
         logits = self.execute(batch)
         out = StepOutput()
         for i, rows in logits.prompt_logits.items():
@@ -84,10 +99,23 @@ class ModelRunner:
                 out.errors[i] = exc
         if logits.samplers:
             seqs = [batch.items[i][0] for i in logits.samplers]
-            draws = sample(logits.sample_logits, seqs, self.eos_ids)
+            draws = sample(logits.sample_logits, seqs, self.eos_ids, self._grammar_masks(pending, constrained, logits))
             for i, drawn in zip(logits.samplers, draws, strict=True):
                 out.sampled.setdefault(i, []).append(drawn if isinstance(drawn, Exception) else Sampled(*drawn))
         return out
+
+    @staticmethod
+    def _grammar_masks(pending, constrained: list[int], logits: StepLogits) -> list | None:  # type: ignore[no-untyped-def]
+        """One grammar mask (or the fault computing them raised, or None) per sampled row."""
+        if pending is None:
+            return None
+        try:
+            rows: dict[int, torch.Tensor | Exception] = dict(zip(constrained, pending.result(), strict=True))
+        except Exception as exc:
+            rows = dict.fromkeys(constrained, exc)
+        if len(logits.samplers) != len(set(logits.samplers)) and rows:
+            raise NotImplementedError("a grammar mask covers one sampled position per sequence and step")
+        return [rows.get(i) for i in logits.samplers]
 
     @staticmethod
     def _prompt_logprobs(seq, rows: torch.Tensor) -> list:  # type: ignore[no-untyped-def]

@@ -65,7 +65,7 @@ class RequestState:
                     seq.logprobs.append(info)
                     seq.cumulative_logprob += info.logprob
                 last = j == len(delta.new_token_ids) - 1
-                core_stop = last and delta.finish_reason == "stop"  # EOS or a stop token id: no text
+                core_stop = last and delta.ended_by_token  # EOS or a stop token id: no text
                 found = None if core_stop else seq.text.add(token, len(seq.token_ids) >= p.min_tokens)
                 if found is not None:
                     seq.finish_reason, seq.stop_reason = "stop", found

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.sequence import TokenLogprobs
+from cpuserve.engine.structured import CompiledGrammar
 
 
 @dataclass
@@ -16,6 +17,7 @@ class EngineCoreRequest:
     prompt_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, when the request came as text (echoed back in outputs)
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled by the input processor
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -30,6 +32,7 @@ class SequenceDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    ended_by_token: bool = False  # the last token is the EOS or stop token id that ended it: it has no text
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Next-token choice per sequence: penalties, bias, temperature, top-k/p, min-p, seeded draws,
 and logprobs.
 
-A row may carry a mask of the tokens it may draw (`Sequence.allowed`: allowed_token_ids today,
-grammars later); it is applied after every other rule, so no bias can bring a masked token back,
-and rows without one pay nothing.
+A row may carry masks of the tokens it may draw (`Sequence.allowed` from allowed_token_ids, and
+this step's grammar mask of a structured-output request); they are applied after every other
+rule, so no bias can bring a masked token back, and rows without one pay nothing.
 
 Logprobs are those of the model's own distribution (log_softmax of the raw logits, before any
 penalty or temperature), as vLLM reports them by default. Each sequence draws from its own
@@ -31,12 +31,21 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
 
 
-def processed_logits(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
+def processed_logits(
+    raw: torch.Tensor, seq: Sequence, stop_ids: set[int], grammar_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     x = _penalised(raw, seq, stop_ids)
+    if seq.allowed is None and grammar_mask is None:
+        return x
     if seq.allowed is not None:
         x = x.masked_fill(~seq.allowed, float("-inf"))
-        if not torch.isfinite(x).any():
-            raise ValueError("allowed_token_ids leave no token to draw here (min_tokens holds back the stop tokens)")
+    if grammar_mask is not None:
+        x = x.masked_fill(~grammar_mask, float("-inf"))
+    if not torch.isfinite(x).any():
+        raise ValueError(
+            "the request's constraints (allowed_token_ids, its grammar, min_tokens holding back the stop "
+            "tokens) leave no token to draw here"
+        )
     return x
 
 
@@ -94,15 +103,23 @@ def _draw(x: torch.Tensor, seq: Sequence) -> int:
 Drawn = tuple[int, TokenLogprobs | None] | Exception
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> list[Drawn]:
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_ids: set[int],
+    grammar_masks: list[torch.Tensor | Exception | None] | None = None,
+) -> list[Drawn]:
     """One (token, logprobs or None) per row of fp32 logits [N, V], or the exception that row
     raised: a fault in one sequence must not cost the others their token (nor, by a retry, a second
-    draw from their random generators)."""
+    draw from their random generators). `grammar_masks`: one bool [V] row (or None) per row."""
     tokens: list[int | Exception] = []
-    for raw, seq in zip(logits, seqs, strict=True):
+    masks = grammar_masks or [None] * len(seqs)
+    for raw, seq, mask in zip(logits, seqs, masks, strict=True):
         try:
+            if isinstance(mask, Exception):
+                raise mask
             stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
-            tokens.append(_draw(processed_logits(raw, seq, stop_ids), seq))
+            tokens.append(_draw(processed_logits(raw, seq, stop_ids, mask), seq))
         except Exception as exc:
             tokens.append(exc)
     infos: list[TokenLogprobs | Exception | None] = [None] * len(seqs)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cpuserve.errors import CpuserveError
+
+if TYPE_CHECKING:
+    from cpuserve.engine.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -41,6 +45,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None  # only these may be drawn (vLLM's name): a per-row logits mask
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output is held to (a per-step mask)
 
     @property
     def greedy(self) -> bool:

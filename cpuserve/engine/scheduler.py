@@ -183,29 +183,40 @@ class Scheduler:
                     update.error = drawn
                     break
                 update.new_tokens.append(drawn)
-                self._append(seq, drawn.token)
+                try:
+                    self._append(seq, drawn.token)
+                except Exception as exc:  # a grammar that rejects the token: this sequence's fault alone
+                    update.error = exc
+                    break
             if update.error is not None and not seq.finished:
                 self.finish(seq, "abort")
             updates.append(update)
         return updates
 
     def _append(self, seq: Sequence, token: int) -> None:
-        """One new token; finish the sequence on EOS, a stop token id, max_tokens or max_model_len."""
+        """One new token; finish the sequence on EOS, a stop token id, a completed grammar, max_tokens
+        or max_model_len."""
         p = seq.params
         seq.output_ids.append(token)
         self.num_generated_tokens += 1
         count = len(seq.output_ids)
         reason, stop = None, None
-        if token in self.eos_ids and not p.ignore_eos and count >= p.min_tokens:
+        ends = token in self.eos_ids and not p.ignore_eos and count >= p.min_tokens
+        if seq.grammar is not None and not ends:
+            seq.grammar.observe(token)  # raises GrammarRejected: the sequence fails alone
+        if ends:
             reason = "stop"
         elif token in p.stop_token_ids and count >= p.min_tokens:
             reason, stop = "stop", token
+        elif seq.grammar is not None and seq.grammar.terminated:
+            reason = "stop"  # the constrained output is complete (it may also have hit max_tokens)
         elif (p.max_tokens is not None and count >= p.max_tokens) or (
             self.max_model_len is not None and seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop
+            seq.ended_by_token = ends or stop is not None
             self.finish(seq, reason)
 
     def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine.structured import GrammarState
 
 
 class Status(enum.Enum):
@@ -47,7 +48,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    ended_by_token: bool = False  # finished by drawing EOS or a stop token id (whose text is not output)
     allowed: torch.Tensor | None = None  # bool [V]: the tokens this sequence may draw (None: all)
+    grammar: GrammarState | None = None  # its structured-output constraint: a new mask every step
 
     @property
     def num_tokens(self) -> int:
