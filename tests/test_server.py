@@ -288,11 +288,8 @@ def test_allowed_token_ids_limit_every_draw_and_bad_ones_are_refused(client, tok
 @pytest.mark.parametrize(
     "body,param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"echo": True}, "echo"),
     ],
 )

@@ -1,11 +1,14 @@
 """POST /v1/chat/completions: messages through the chat template, n choices, JSON or SSE.
 
 The template is rendered and its text encoded on a worker thread (TokenizerPool); the engine
-gets token ids. A stream starts each choice with a role-only delta, as OpenAI's does.
+gets token ids. A stream starts each choice with a role-only delta, as OpenAI's does. Tools
+(tool_calls.py), output constraints (structured.py) and reasoning (reasoning.py) shape what is
+asked of the engine and how its text becomes the message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,70 +17,135 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cpuserve.engine import RequestOutput
+from cpuserve.engine import InvalidRequest, RequestOutput, StructuredOutputs
 from cpuserve.server import streaming
 from cpuserve.server.errors import APIError
 from cpuserve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from cpuserve.server.protocol import ChatCompletionRequest
+from cpuserve.server.reasoning import ReasoningStream
 from cpuserve.server.state import Server
+from cpuserve.server.structured import request_constraint
+from cpuserve.server.tool_calls import ToolDeltaStream, ToolPlan, call_id, call_json, plan_tools, read_calls
 from cpuserve.tokenizer import ChatTemplateError
 
 
 async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids of a chat request (also what /tokenize answers for messages)."""
+    """The prompt token ids of a chat request (also what /tokenize answers for messages). The
+    template gets each message as the client sent it (a `null` or absent content stays so, as
+    transformers passes it), with text parts joined, and the request's tools."""
     messages = []
     for m in req.messages:
-        msg = m.model_dump(exclude_none=True)
+        msg = m.model_dump(exclude_unset=True)
         if isinstance(m.content, list):
             texts = [part.get("text", "") for part in m.content if part.get("type") == "text"]
             if len(texts) != len(m.content):
                 raise APIError(400, "only text content parts are supported", param="messages")
             msg["content"] = "".join(texts)
         messages.append(msg)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs.setdefault("tools", req.tools)
     try:
         return await server.tokens.encode_chat(
             messages,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             template=req.chat_template or server.config.chat_template,
-            template_kwargs=req.chat_template_kwargs or {},
+            template_kwargs=kwargs,
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputs | None:
+    """The output constraint: the request's own, or its tool choice's (never both)."""
+    constraint = request_constraint(req.given())
+    if constraint is not None and (plan.constraint is not None or plan.mode == "auto"):
+        raise InvalidRequest(constraint.param, f'cannot be combined with tool_choice "{plan.mode}"')
+    return constraint or plan.constraint
+
+
+def _starts_in_reasoning(server: Server, ids: list[int]) -> bool:
+    """Whether the output begins inside the reasoning: always for a parser whose models always think
+    (deepseek_r1), else when the rendered prompt leaves a <think> open (a thinking Qwen3 template)."""
+    r = server.reasoning
+    if r is None:
+        return False
+    if r.implicit_start:
+        return True
+    tail = server.tokenizer.decode(ids[-64:], skip_special_tokens=False)
+    return tail.rfind(r.start) > tail.rfind(r.end)
 
 
 async def create_chat_completion(server: Server, request: Request, req: ChatCompletionRequest) -> Response:
     server.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    plan = plan_tools(
+        req.tools, req.tool_choice, req.parallel_tool_calls, server.tool_parser, server.config.enable_auto_tool_choice
+    )
+    constraint = _constraint(req, plan)
     server.check_capacity(1)
     ids = await chat_prompt(server, req)
+    in_reasoning = _starts_in_reasoning(server, ids)
+    if constraint is not None and in_reasoning:  # the constraint holds the answer, after the thinking
+        constraint = dataclasses.replace(constraint, after_ids=server.reasoning_end_ids)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(
-        logprobs, server.config.sampling_defaults, server.max_tokens(requested, len(ids), None)
+        logprobs, server.config.sampling_defaults, server.max_tokens(requested, len(ids), None), constraint
     )
+    if plan.parser is not None and plan.parser.needs_special_tokens:
+        params.skip_special_tokens = False  # its markers are special tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     jobs: list[streaming.Job] = [(rid, ids, params)]
     if req.stream:
         merged = streaming.merge(server, await streaming.start(server, jobs))
-        return streaming.sse(_events(server, rid, created, req, len(ids), merged))
+        return streaming.sse(_events(server, rid, created, req, plan, in_reasoning, len(ids), merged))
     finals = await streaming.collect(server, request, jobs)
     if finals is None:
         return Response(status_code=499)
-    return JSONResponse(_body(server, rid, created, req, len(ids), finals[0]))
+    return JSONResponse(_body(server, rid, created, req, plan, in_reasoning, len(ids), finals[0]))
+
+
+def _message(
+    server: Server, plan: ToolPlan, in_reasoning: bool, text: str, finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's message (content, tool_calls, reasoning_content) and its finish reason."""
+    reasoning, content = server.reasoning.split(text, in_reasoning=in_reasoning) if server.reasoning else (None, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if plan.reads_calls:
+        parsed = read_calls(plan, content or "")
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = [call_json(c, i, call_id()) for i, c in enumerate(parsed.tool_calls)]
+            for c in message["tool_calls"]:
+                del c["index"]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+    return message, finish_reason
 
 
 def _body(
-    server: Server, rid: str, created: int, req: ChatCompletionRequest, prompt_len: int, out: RequestOutput
+    server: Server,
+    rid: str,
+    created: int,
+    req: ChatCompletionRequest,
+    plan: ToolPlan,
+    in_reasoning: bool,
+    prompt_len: int,
+    out: RequestOutput,
 ) -> dict[str, Any]:
     choices = []
     for o in out.outputs:
+        message, finish_reason = _message(server, plan, in_reasoning, o.text, o.finish_reason)
         choice: dict[str, Any] = {
             "index": o.index,
-            "message": {"role": "assistant", "content": o.text},
+            "message": message,
             "logprobs": chat_logprobs(server.tokenizer, o.logprobs or []) if req.logprobs else None,
-            "finish_reason": o.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": o.stop_reason,
         }
         choices.append(choice)
@@ -99,11 +167,38 @@ def _body(
     return body
 
 
+@dataclasses.dataclass
+class _ChoiceStream:
+    """One streamed choice: text and logprobs sent so far, and its reasoning and tool readers."""
+
+    tools: ToolDeltaStream
+    reasoning: ReasoningStream | None
+    chars: int = 0
+    logprobs: int = 0
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """Message fragments for `text` (this much more output), flushed at the end if `final`."""
+        out: list[dict[str, Any]] = []
+        for piece, ended in ((text, False), ("", True)) if final else ((text, False),):
+            if self.reasoning is not None:
+                thought, content = self.reasoning.finish() if ended else self.reasoning.feed(piece)
+                if thought:
+                    out.append({"reasoning_content": thought})
+            else:
+                content = piece
+            out.extend(self.tools.feed(content))
+            if ended:
+                out.extend(self.tools.finish())
+        return out
+
+
 async def _events(
     server: Server,
     rid: str,
     created: int,
     req: ChatCompletionRequest,
+    plan: ToolPlan,
+    in_reasoning: bool,
     prompt_len: int,
     merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[dict[str, Any]]:
@@ -119,39 +214,32 @@ async def _events(
             body["usage"] = usage
         return body
 
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, logprob entries sent)
+    streams: dict[int, _ChoiceStream] = {}
     last: RequestOutput | None = None
     async for _, out in merged:
         last = out
         for o in out.outputs:
-            if o.index not in sent:
-                sent[o.index] = (0, 0)
-                yield chunk(
-                    [
-                        {
-                            "index": o.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            chars, nlp = sent[o.index]
-            delta, new_lp = o.text[chars:], (o.logprobs or [])[nlp:]
-            if not (delta or new_lp or o.finish_reason):
+            state = streams.get(o.index)
+            if state is None:
+                reasoning = server.reasoning.stream(in_reasoning=in_reasoning) if server.reasoning else None
+                state = streams[o.index] = _ChoiceStream(ToolDeltaStream(plan), reasoning)
+                first = {"index": o.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                yield chunk([{**first, "finish_reason": None}])
+            text, new_lp = o.text[state.chars :], (o.logprobs or [])[state.logprobs :]
+            if not (text or new_lp or o.finish_reason):
                 continue
-            sent[o.index] = (len(o.text), len(o.logprobs or []))
-            yield chunk(
-                [
-                    {
-                        "index": o.index,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": chat_logprobs(server.tokenizer, new_lp) if req.logprobs else None,
-                        "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason,
-                    }
-                ]
-            )
+            state.chars, state.logprobs = len(o.text), len(o.logprobs or [])
+            deltas = state.deltas(text, o.finish_reason is not None) or [{}]
+            finish_reason = o.finish_reason
+            if finish_reason == "stop" and state.tools.calls:
+                finish_reason = "tool_calls"
+            for j, delta in enumerate(deltas):
+                last_one = j == len(deltas) - 1
+                lps = chat_logprobs(server.tokenizer, new_lp) if req.logprobs and j == 0 else None
+                choice = {"index": o.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+                if last_one:
+                    choice.update(finish_reason=finish_reason, stop_reason=o.stop_reason)
+                yield chunk([choice])
     if req.stream_options and req.stream_options.include_usage and last is not None:
         completion = sum(len(o.token_ids) for o in last.outputs)
         yield chunk(

@@ -20,6 +20,7 @@ from cpuserve.server.errors import APIError
 from cpuserve.server.logprobs import completion_logprobs, prompt_logprobs_json
 from cpuserve.server.protocol import CompletionRequest
 from cpuserve.server.state import Server
+from cpuserve.server.structured import request_constraint
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -42,6 +43,7 @@ async def create_completion(server: Server, request: Request, req: CompletionReq
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     prompts = _prompts(req)
+    constraint = request_constraint(req.given())
     server.check_capacity(len(prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -49,7 +51,7 @@ async def create_completion(server: Server, request: Request, req: CompletionReq
     for i, prompt in enumerate(prompts):
         ids = await server.tokens.encode(prompt) if isinstance(prompt, str) else prompt
         max_tokens = server.max_tokens(req.max_tokens, len(ids), DEFAULT_MAX_TOKENS)
-        params = req.sampling_params(req.logprobs, server.config.sampling_defaults, max_tokens)
+        params = req.sampling_params(req.logprobs, server.config.sampling_defaults, max_tokens, constraint)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs
         jobs.append((f"{rid}-{i}", ids, params))

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cpuserve.engine import InvalidRequest, SamplingParams
+from cpuserve.engine import InvalidRequest, SamplingParams, StructuredOutputs
 
 
 class StreamOptions(BaseModel):
@@ -14,20 +14,13 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-# Parameters OpenAI or vLLM define that this server does not honour yet: a request that gives one a
+# Parameters OpenAI or vLLM define that this server does not honour: a request that gives one a
 # value that would change the answer is refused (400 naming it), never served as if it had not.
-# Unknown names stay ignored, as OpenAI's own server ignores them.
+# Unknown names stay ignored, as OpenAI's own server ignores them. (Output constraints are read
+# by structured.py, tools by tool_calls.py.)
 NOT_HONOURED = {
-    "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v is not None and v != {"type": "text"},
-    "guided_json": lambda v: v is not None,
-    "guided_regex": lambda v: v is not None,
-    "guided_choice": lambda v: v is not None,
-    "guided_grammar": lambda v: v is not None,
-    "structured_outputs": lambda v: v is not None,
 }
 
 
@@ -36,11 +29,12 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # kept, so NOT_HONOURED can see what was sent
 
+    def given(self) -> dict[str, Any]:
+        """Every field by name, the unknown extras included."""
+        return {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
+
     def refuse_unhonoured(self) -> None:
-        given = {
-            **(self.model_extra or {}),
-            **{k: getattr(self, k) for k in NOT_HONOURED if k in type(self).model_fields},
-        }
+        given = self.given()
         for name, changes_the_answer in NOT_HONOURED.items():
             if changes_the_answer(given.get(name)):
                 raise InvalidRequest(name, "is not supported by this server yet; the request was not run")
@@ -73,8 +67,15 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
 
-    def sampling_params(self, logprobs: int | None, defaults: dict[str, Any], max_tokens: int) -> SamplingParams:
-        """The engine's parameters: request values, else the model's generation_config, else OpenAI's."""
+    def sampling_params(
+        self,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        max_tokens: int,
+        constraint: StructuredOutputs | None = None,
+    ) -> SamplingParams:
+        """The engine's parameters: request values, else the model's generation_config, else OpenAI's.
+        `constraint`: the output constraint the caller worked out (request_constraint's, or a tool choice's)."""
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -111,6 +112,7 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=constraint,
         )
 
 
@@ -140,6 +142,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def refuse_unhonoured(self) -> None:
@@ -154,6 +158,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # for the chat template, as vLLM's /tokenize takes them
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -72,7 +72,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def tokenize(req: TokenizeRequest) -> dict:
         server.check_model(req.model)
         if req.messages:
-            chat_req = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            chat_req = ChatCompletionRequest(
+                messages=req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
             ids = await chat_prompt(server, chat_req)
         elif req.prompt is not None:
             ids = await server.tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)

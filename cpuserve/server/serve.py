@@ -61,6 +61,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja file, or the template text itself")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model writes calls its own way, --tool-call-parser reads them',
+    )
+    p.add_argument("--tool-call-parser", default=None, help="hermes, llama3_json or mistral")
+    p.add_argument(
+        "--reasoning-parser", default=None, help="deepseek_r1 or qwen3: <think>...</think> becomes reasoning_content"
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=256,
@@ -119,6 +128,18 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise CpuserveError(f"--{name.replace('_', '-')} must be at least 1")
+    from cpuserve.server.reasoning import get_reasoning_parser
+    from cpuserve.server.tool_parsers import get_tool_parser
+
+    try:
+        if args.tool_call_parser is not None:
+            get_tool_parser(args.tool_call_parser)
+        if args.reasoning_parser is not None:
+            get_reasoning_parser(args.reasoning_parser)
+    except ValueError as exc:
+        raise CpuserveError(str(exc)) from None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CpuserveError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     for name, why in NO_EFFECT.items():
         value = getattr(args, name)
         if value not in (None, False):
@@ -194,6 +215,9 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
             sampling_defaults=_sampling_defaults(args.generation_config, model_dir),
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         ),
     )
     log.info(

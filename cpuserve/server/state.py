@@ -13,7 +13,9 @@ from typing import Any
 from cpuserve.engine import AsyncEngine
 from cpuserve.server.errors import APIError
 from cpuserve.server.metrics import Metrics
+from cpuserve.server.reasoning import get_reasoning_parser
 from cpuserve.server.tokenizing import TokenizerPool
+from cpuserve.server.tool_parsers import get_tool_parser
 
 
 @dataclass
@@ -24,6 +26,9 @@ class ServerConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int = 256
     max_request_bytes: int = 16 * 1024 * 1024
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser name
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser name
 
 
 class Server:
@@ -36,6 +41,11 @@ class Server:
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
         self.draining = False  # set on SIGTERM/SIGINT: running requests finish, new ones get 503
+        self.tool_parser = get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
+        self.reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        # The tokens that end reasoning: an output constraint starts after them.
+        end = self.reasoning.end if self.reasoning else None
+        self.reasoning_end_ids = tuple(self.tokenizer.encode(end, add_special_tokens=False)) if end else ()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.served_model_names:

@@ -1,0 +1,117 @@
+"""The request fields that constrain an output, as OpenAI and vLLM spell them, turned into one
+StructuredOutputs for the engine: `response_format` (json_object, json_schema, vLLM's
+structural_tag), vLLM's `structured_outputs` object and its older `guided_*` fields.
+
+A request may give at most one constraint; a field or option the server cannot honour is refused
+with a 400 naming it, never dropped. The grammar itself is compiled (and its errors found) by the
+engine's input processor.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cpuserve.engine import InvalidRequest, StructuredOutputs
+
+# `structured_outputs` keys that each are a constraint, and the options that are honoured as-is:
+# JSON is always written without free whitespace, and there is no other backend to fall back to.
+CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+HONOURED_OPTIONS = {"disable_any_whitespace", "disable_fallback", "backend"}
+BACKENDS = (None, "auto", "guidance", "llguidance")
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def request_constraint(fields: dict[str, Any]) -> StructuredOutputs | None:
+    """The one constraint a request's fields ask for (None: none). `fields` holds the request's
+    values by name, unknown extras included."""
+    found: list[StructuredOutputs] = []
+    rf = fields.get("response_format")
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            found.append(spec)
+    so = fields.get("structured_outputs")
+    if so is not None:
+        found.append(_structured_outputs(so))
+    for name, kind in GUIDED_FIELDS.items():
+        if fields.get(name) is not None:
+            found.append(_constraint(kind, fields[name], name))
+    backend = fields.get("guided_decoding_backend")
+    if backend not in BACKENDS:
+        raise InvalidRequest("guided_decoding_backend", f"only the guidance backend is available, not {backend!r}")
+    if fields.get("guided_whitespace_pattern") is not None:
+        raise InvalidRequest("guided_whitespace_pattern", "is not supported: JSON is written without free whitespace")
+    if len(found) > 1:
+        raise InvalidRequest(
+            found[1].param, f"only one output constraint per request; {found[0].param} already gives one"
+        )
+    return found[0] if found else None
+
+
+def _response_format(rf: Any) -> StructuredOutputs | None:
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise InvalidRequest("response_format", "must be an object with a 'type'")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _constraint("json", {"type": "object"}, "response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise InvalidRequest("response_format", "json_schema needs a 'json_schema' object")
+        schema = js.get("schema", {"type": "object"})
+        return _constraint("json", schema, "response_format")
+    if kind == "structural_tag":
+        return _constraint("structural_tag", {k: v for k, v in rf.items() if k != "type"}, "response_format")
+    known = "text, json_object, json_schema, structural_tag"
+    raise InvalidRequest("response_format", f"type {kind!r} is not one of {known}")
+
+
+def _structured_outputs(so: Any) -> StructuredOutputs:
+    if not isinstance(so, dict):
+        raise InvalidRequest("structured_outputs", "must be an object")
+    given = [k for k in CONSTRAINT_KEYS if so.get(k) not in (None, False)]
+    unknown = sorted(set(so) - set(CONSTRAINT_KEYS) - HONOURED_OPTIONS)
+    if unknown:
+        raise InvalidRequest("structured_outputs", f"{unknown[0]!r} is not supported")
+    if so.get("backend") not in BACKENDS:
+        raise InvalidRequest("structured_outputs", f"only the guidance backend is available, not {so['backend']!r}")
+    if len(given) != 1:
+        raise InvalidRequest(
+            "structured_outputs", f"give exactly one of {', '.join(CONSTRAINT_KEYS)} (got {len(given)})"
+        )
+    key = given[0]
+    if key == "json_object":
+        return _constraint("json", {"type": "object"}, "structured_outputs")
+    return _constraint(key, so[key], "structured_outputs")
+
+
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutputs:
+    """One constraint, its value checked for shape (the grammar engine checks the rest)."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(param, f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(value, dict | bool):
+            raise InvalidRequest(param, "the JSON schema must be an object")
+        return StructuredOutputs("json", StructuredOutputs.canonical_json(value), param=param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(param, "choice must be a non-empty list of strings")
+        return StructuredOutputs("choice", tuple(value), param=param)
+    if kind == "structural_tag":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(param, f"the structural tag is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidRequest(param, "the structural tag must be an object")
+        return StructuredOutputs("structural_tag", StructuredOutputs.canonical_json(value), param=param)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(param, f"the {kind} must be a non-empty string")
+    return StructuredOutputs(kind, value, param=param)
