@@ -12,7 +12,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -44,6 +45,51 @@ def _token_text(value: Any) -> str | None:
 
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"chat template: {message}")
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; templates are rendered as transformers
+    # renders them, which writes plain JSON (and takes these options).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): the body, as is."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja reads this class attribute
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """The template line an error was raised at (jinja maps template frames to `<template>`)."""
+    line = getattr(exc, "lineno", None)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox with what transformers' apply_chat_template offers templates: loop controls, the
+    generation tag, plain-JSON tojson, raise_exception and strftime_now."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 @dataclass(frozen=True)
@@ -154,23 +200,38 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template; use a plain prompt or --chat-template")
         compiled = self._compiled.get(source)
         if compiled is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env = _template_environment()
             try:
                 compiled = self._compiled[source] = env.from_string(source)
             except TemplateError as exc:
                 raise ChatTemplateError(f"chat template does not compile: {exc}") from None
-        try:
+
+        def render(msgs: list[dict[str, Any]]) -> str:
             return compiled.render(
-                messages=messages,
+                messages=msgs,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 **extra,
             )
-        except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from None
+
+        try:
+            return render(messages)
+        except Exception as exc:
+            # Messages go in as sent (a tool-call turn's content may be null), as transformers passes
+            # them; a template that cannot take a null content (one that concatenates it) gets "",
+            # as vLLM gives it, rather than failing the request.
+            nulls = [m for m in messages if m.get("content", "") is None or "content" not in m]
+            if nulls and not isinstance(exc, ChatTemplateError):
+                try:
+                    return render([m if m not in nulls else {**m, "content": ""} for m in messages])
+                except Exception:
+                    pass
+            if isinstance(exc, ChatTemplateError):
+                raise
+            line = _template_line(exc)
+            where = f" at template line {line}" if line else ""
+            raise ChatTemplateError(f"chat template failed{where}: {type(exc).__name__}: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens itself, so none are added on top.

@@ -91,6 +91,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--serve-flags", default="", help="extra `serve` flags as one string, e.g. '--max-num-batched-tokens 256'"
     )
     itl.set_defaults(func=cmd_bench_itl)
+    bst = bench_sub.add_parser(
+        "structured", help="decode tok/s with every row held to a JSON schema vs none; compile and mask times"
+    )
+    add_model_args(bst)
+    bst.add_argument("--streams", type=int, default=8, help="concurrent sequences (default 8)")
+    bst.add_argument("--new-tokens", type=int, default=64, help="tokens each stream generates (default 64)")
+    bst.add_argument("--repeats", type=int, default=3, help="constrained/unconstrained pairs, order alternating")
+    bst.add_argument("--json", action="store_true", help="machine-readable output")
+    bst.set_defaults(func=cmd_bench_structured)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -259,3 +268,28 @@ def cmd_bench_itl(args: argparse.Namespace) -> int:
     )
     print(render(result, command))
     return 0
+
+
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    machine, overrides, threads = platform_plan(args)
+    from cpuserve.bench.structured_bench import render, result_json, run_structured_bench
+    from cpuserve.engine import EngineConfig, LLMEngine
+    from cpuserve.kernels import selected_variant_name
+    from cpuserve.model.resolve import resolve_model
+
+    if args.streams < 1 or args.new_tokens < 2 or args.repeats < 1:
+        raise CpuserveError("bench structured: --streams and --repeats must be >= 1, --new-tokens >= 2")
+    model_dir = resolve_model(args.model, args.cache_dir)
+    config = EngineConfig(max_model_len=max(1024, args.new_tokens + 256), max_num_seqs=args.streams)
+    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine=machine, overrides=overrides)
+    result = run_structured_bench(engine, args.streams, args.new_tokens, args.repeats)
+    result["model"] = str(model_dir)
+    result["dtype"] = str(engine.model.dtype).removeprefix("torch.")
+    result["host"] = {
+        "cpu": machine.cpu.model_name,
+        "arch": machine.cpu.arch,
+        "isa": selected_variant_name(),
+        "threads": threads.count,
+    }
+    print(result_json(result) if args.json else render(result))
+    return 0 if result["decode"]["same_token_count"] else 1

@@ -229,7 +229,11 @@ async def _events(
             if not (text or new_lp or o.finish_reason):
                 continue
             state.chars, state.logprobs = len(o.text), len(o.logprobs or [])
-            deltas = state.deltas(text, o.finish_reason is not None) or [{}]
+            deltas = state.deltas(text, o.finish_reason is not None)
+            if not deltas:
+                if not (new_lp or o.finish_reason):
+                    continue  # text held back (a tool call or a marker being read): nothing to send yet
+                deltas = [{}]
             finish_reason = o.finish_reason
             if finish_reason == "stop" and state.tools.calls:
                 finish_reason = "tool_calls"

@@ -17,8 +17,9 @@ from cpuserve.engine import InvalidRequest, StructuredOutputs
 # `structured_outputs` keys that each are a constraint, and the options that are honoured as-is:
 # JSON is always written without free whitespace, and there is no other backend to fall back to.
 CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-HONOURED_OPTIONS = {"disable_any_whitespace", "disable_fallback", "backend"}
+HONOURED_OPTIONS = {"disable_any_whitespace", "disable_fallback", "backend", "disable_additional_properties"}
 BACKENDS = (None, "auto", "guidance", "llguidance")
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -62,6 +63,8 @@ def _response_format(rf: Any) -> StructuredOutputs | None:
         if not isinstance(js, dict):
             raise InvalidRequest("response_format", "json_schema needs a 'json_schema' object")
         schema = js.get("schema", {"type": "object"})
+        if js.get("strict") is True:  # OpenAI's strict mode: an object has only the properties it lists
+            schema = close_objects(schema)
         return _constraint("json", schema, "response_format")
     if kind == "structural_tag":
         return _constraint("structural_tag", {k: v for k, v in rf.items() if k != "type"}, "response_format")
@@ -85,7 +88,29 @@ def _structured_outputs(so: Any) -> StructuredOutputs:
     key = given[0]
     if key == "json_object":
         return _constraint("json", {"type": "object"}, "structured_outputs")
-    return _constraint(key, so[key], "structured_outputs")
+    spec = _constraint(key, so[key], "structured_outputs")
+    if key == "json" and so.get("disable_additional_properties"):
+        spec = _constraint("json", close_objects(json.loads(str(spec.value))), "structured_outputs")
+    return spec
+
+
+def close_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists properties
+    and says nothing about others (what OpenAI's strict mode means, and vLLM's
+    disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in NAMED_SCHEMAS and isinstance(value, dict):  # name -> schema: the names are not keywords
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = close_objects(value)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutputs:

@@ -30,5 +30,6 @@ class StructuredOutputs:
 
     @staticmethod
     def canonical_json(value: Any) -> str:
-        """JSON text that is equal for equal objects, so equal schemas share one compiled grammar."""
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """Compact JSON text, so equal schemas share one compiled grammar. Key order is kept: a
+        schema's property order is the order the output writes them in."""
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
