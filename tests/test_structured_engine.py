@@ -204,3 +204,39 @@ def test_unpack_bitmask_reads_bits_in_token_order():
     assert mask.shape == (2, 40)
     assert mask[0, :4].tolist() == [True, True, False, True] and not mask[0, 4:32].any() and mask[0, 32:].all()
     assert mask[1].nonzero().flatten().tolist() == [31]
+
+
+def test_structural_tag_holds_each_tagged_segment_to_its_schema(engine, tokenizer):
+    # Upper-case enum values: what the model copies from the prompt ("Paris") would not validate.
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["PARIS", "LYON"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<function=get_weather>", "schema": schema, "end": "</function>"}],
+        "triggers": ["<function="],
+    }
+    spec = StructuredOutputs("structural_tag", StructuredOutputs.canonical_json(tag))
+    prompt = (
+        'Rome: <function=get_weather>{"city": "Rome"}</function>\n'
+        'Oslo: <function=get_weather>{"city": "Oslo"}</function>\n'
+        "Paris:"
+    )
+    jobs = {
+        f"t{k}": (prompt, SamplingParams(max_tokens=60, temperature=0.9, seed=k, structured_outputs=spec))
+        for k in range(6)
+    }
+    done = run(engine, jobs)
+    segments = 0
+    for out in done.values():
+        text = out.outputs[0].text
+        for body in re.findall(r"<function=get_weather>(.*?)</function>", text, flags=re.S):
+            jsonschema.validate(json.loads(body), schema)
+            segments += 1
+        # A begun segment is always closed by the grammar, unless max_tokens cut it.
+        opened = text.count("<function=get_weather>")
+        assert opened == text.count("</function>") or out.outputs[0].finish_reason == "length", text
+    assert segments > 0
