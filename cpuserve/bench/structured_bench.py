@@ -12,7 +12,7 @@ its runner, its mask computer, the sampler and the grammar state are wrapped for
 restored after. xgrammar's compile and mask times on the same schemas and token traces are added
 when it is importable (it is not a dependency).
 
-A throughput ratio means something only if both sides generate the same tokens count: every request
+A throughput ratio means something only if both sides generate the same number of tokens: every request
 ignores EOS, and the decode schema is an array of records whose minItems makes its shortest JSON
 longer than new_tokens times the longest token of the vocabulary, so no constrained row can finish
 (nor be allowed EOS) before max_tokens. The counts are reported and checked.
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import cpuserve.engine.model_runner as model_runner_module
@@ -688,4 +688,4 @@ def render(result: dict[str, Any]) -> str:
 
 def result_json(result: dict[str, Any]) -> str:
     """The result as JSON text."""
-    return json.dumps(result, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    return json.dumps(result, indent=1)

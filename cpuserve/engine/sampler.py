@@ -31,22 +31,34 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
 
 
+NO_TOKEN_LEFT = (
+    "the request's constraints (allowed_token_ids, its grammar, min_tokens holding back the stop tokens) "
+    "leave no token to draw here"
+)
+
+
 def processed_logits(
-    raw: torch.Tensor, seq: Sequence, stop_ids: set[int], grammar_mask: torch.Tensor | None = None
+    raw: torch.Tensor, seq: Sequence, stop_ids: set[int], forbidden: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """Penalties and bias, then the row's masks (`forbidden`: this step's grammar mask, True = masked)."""
     x = _penalised(raw, seq, stop_ids)
-    if seq.allowed is None and grammar_mask is None:
-        return x
     if seq.allowed is not None:
         x = x.masked_fill(~seq.allowed, float("-inf"))
-    if grammar_mask is not None:
-        x = x.masked_fill(~grammar_mask, float("-inf"))
-    if not torch.isfinite(x).any():
-        raise ValueError(
-            "the request's constraints (allowed_token_ids, its grammar, min_tokens holding back the stop "
-            "tokens) leave no token to draw here"
-        )
+    if forbidden is not None:
+        x = x.masked_fill(forbidden, float("-inf"))
     return x
+
+
+def _draw_masked(x: torch.Tensor, seq: Sequence) -> int:
+    """A draw from a masked row: a masked-out token is never returned (one check of the drawn
+    token instead of a pass over the vocabulary)."""
+    try:
+        token = _draw(x, seq)
+    except RuntimeError:  # multinomial over a row with nothing left
+        raise ValueError(NO_TOKEN_LEFT) from None
+    if x[token] == float("-inf"):
+        raise ValueError(NO_TOKEN_LEFT)
+    return token
 
 
 def _penalised(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
@@ -111,7 +123,8 @@ def sample(
 ) -> list[Drawn]:
     """One (token, logprobs or None) per row of fp32 logits [N, V], or the exception that row
     raised: a fault in one sequence must not cost the others their token (nor, by a retry, a second
-    draw from their random generators). `grammar_masks`: one bool [V] row (or None) per row."""
+    draw from their random generators). `grammar_masks`: one bool [V] row of forbidden tokens (or
+    None) per row."""
     tokens: list[int | Exception] = []
     masks = grammar_masks or [None] * len(seqs)
     for raw, seq, mask in zip(logits, seqs, masks, strict=True):
@@ -119,7 +132,9 @@ def sample(
             if isinstance(mask, Exception):
                 raise mask
             stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_ids)
-            tokens.append(_draw(processed_logits(raw, seq, stop_ids, mask), seq))
+            x = processed_logits(raw, seq, stop_ids, mask)
+            masked = seq.allowed is not None or mask is not None
+            tokens.append(_draw_masked(x, seq) if masked else _draw(x, seq))
         except Exception as exc:
             tokens.append(exc)
     infos: list[TokenLogprobs | Exception | None] = [None] * len(seqs)

@@ -23,7 +23,6 @@ NO_EFFECT = {
     "language_model_only": "text-only models are all cpuserve loads",
     "gpu_memory_utilization": "no GPU; the KV cache is sized from available memory",
     "swap_space": "no swap space: preempted sequences are recomputed",
-    "disable_log_requests": "requests are not logged individually",
     "device": "cpuserve runs on the CPU",
     "trust_remote_code": "remote code is never run; supported architectures are built in",
 }
@@ -90,7 +89,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
-    p.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic engine stats log lines")
+    p.add_argument(
+        "--disable-log-requests", action="store_true", help="no access log line per request (logger cpuserve.access)"
+    )
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="access lines carry the prompt's first 200 characters (as the model sees it: the rendered template)",
+    )
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -109,7 +116,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--language-model-only", action="store_true")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--swap-space", type=float, default=None)
-    p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
 
@@ -202,6 +208,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         enable_prefix_caching=args.enable_prefix_caching,
     )
     engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
+    engine.grammars.prepare_in_background()  # structured outputs' token trie, off the first request's path
     facts = engine.facts
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
@@ -218,6 +225,10 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            seed=args.seed,
+            log_requests=not args.disable_log_requests,
+            log_prompts=args.log_prompts,
+            log_stats=not args.disable_log_stats,
         ),
     )
     log.info(

@@ -58,6 +58,10 @@ class GrammarCompiler:
                 self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tokenizer
 
+    def prepare_in_background(self) -> None:
+        """Build the token trie on a daemon thread now, so the first constrained request does not wait for it."""
+        threading.Thread(target=lambda: self.tokenizer, name="cpuserve-grammar-trie", daemon=True).start()
+
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         with self._lock:
             hit = self._cache.get(spec)

@@ -1,9 +1,11 @@
 """The step's grammar masks, computed on a worker thread while the forward pass runs.
 
-llguidance fills one bit per token for every constrained row that samples this step (releasing
-the GIL, so the model's threads and this one overlap); the sampler then gets one bool row per
-constrained sequence and applies it last, as it does allowed_token_ids. Rows without a
-constraint are not looked at.
+llguidance fills one bit per token for every constrained row that samples this step, and numpy
+unpacks the bits into one bool row of forbidden tokens per sequence; both let go of the GIL, as
+the native decode step does, so this thread runs beside the model's. (numpy, not torch: a torch op
+on a second thread would start an OpenMP team of its own on the cores the model is using.) The
+sampler applies each row last, as it does allowed_token_ids. Rows without a constraint are not
+looked at.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ from llguidance import LLExecutor
 
 from cpuserve.engine.structured.matcher import GrammarState
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
-
-def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [R, ceil(V / 32)] (bit j of word w: token 32 w + j allowed) -> bool [R, V]."""
-    return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).to(torch.bool).flatten(1)[:, :vocab_size]
+def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int32 [R, ceil(V / 32)] (bit j of word w: token 32 w + j allowed) -> bool [R, V], allowed."""
+    little = bits.astype("<i4", copy=False)  # bit j of a word is bit j % 8 of its byte j // 8
+    return np.unpackbits(little.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
 
 
 class MaskComputer:
@@ -32,7 +33,8 @@ class MaskComputer:
         self._executor = LLExecutor(num_threads=1)
 
     def start(self, states: list[GrammarState]) -> Future[torch.Tensor]:
-        """Begin computing the masks of `states` (all active); the future gives bool [len(states), V]."""
+        """Begin computing the masks of `states` (all active); the future gives bool [len(states), V],
+        True where a token is forbidden."""
         return self._pool.submit(self._compute, list(states))
 
     def compute(self, states: list[GrammarState]) -> torch.Tensor:
@@ -44,7 +46,7 @@ class MaskComputer:
         self._executor.unsafe_compute_mask_ptr(
             [(s.matcher, i) for i, s in enumerate(states)], bits.ctypes.data, self.words * 4, len(states)
         )
-        return unpack_bitmask(torch.from_numpy(bits), self.vocab_size)
+        return torch.from_numpy(~unpack_bitmask(bits, self.vocab_size))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

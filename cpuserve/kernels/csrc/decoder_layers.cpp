@@ -126,5 +126,7 @@ void register_decoder_layers(pybind11::module& mod) {
         }
         return normed;
       },
+      // No Python inside: other threads (grammar masks, tokenizing, the event loop) run meanwhile.
+      py::call_guard<py::gil_scoped_release>(),
       "every decoder layer for one new token per sequence; returns the final-norm hidden states");
 }

@@ -240,9 +240,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 void register_layer_ops(pybind11::module& mod) {
-  mod.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
-  mod.def("add_rms_norm", &add_rms_norm, "residual add (scaled) fused with the next RMSNorm: {sum, normed}");
-  mod.def("rope_", &rope_, "rotary embedding in place, rotate-half layout");
-  mod.def("silu_mul", &silu_mul, "silu(gate) * up");
-  mod.def("decode_attention", &decode_attention, "one query per sequence over the contiguous or paged KV cache");
+  // The GIL is let go while an op runs (no Python inside), so other threads are not held up.
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  mod.def("rms_norm", &rms_norm, nogil(), "RMSNorm over the last dimension");
+  mod.def("add_rms_norm", &add_rms_norm, nogil(), "residual add (scaled) fused with the next RMSNorm: {sum, normed}");
+  mod.def("rope_", &rope_, nogil(), "rotary embedding in place, rotate-half layout");
+  mod.def("silu_mul", &silu_mul, nogil(), "silu(gate) * up");
+  mod.def("decode_attention", &decode_attention, nogil(),
+          "one query per sequence over the contiguous or paged KV cache");
 }

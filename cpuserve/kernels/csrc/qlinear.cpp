@@ -206,8 +206,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_layer_ops(mod);
   register_decoder_layers(mod);
   mod.def("variant", &variant, py::return_value_policy::reference, "the table row of a compiled variant, by name");
-  mod.def("w8a8_linear", &w8a8_linear, "W8A8 channel-wise linear");
-  mod.def("w4a8_linear", &w4a8_linear, "W4A8 group-wise linear");
+  // The linears let go of the GIL while they run (no Python inside).
+  mod.def("w8a8_linear", &w8a8_linear, py::call_guard<py::gil_scoped_release>(), "W8A8 channel-wise linear");
+  mod.def("w4a8_linear", &w4a8_linear, py::call_guard<py::gil_scoped_release>(), "W4A8 group-wise linear");
   mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8 rows, int8 or uint8 + 128 panels)");
   mod.def("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); },
           "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");
