@@ -188,7 +188,7 @@ def test_abort_frees_blocks(engine):
         ({"n": 100}, "n"),
         ({"logprobs": 21}, "logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 5000}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),

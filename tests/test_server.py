@@ -163,7 +163,7 @@ def _post(server, path, body, key=KEY):
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 4000}, "max_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"prompt": "word " * 3000}, "prompt"),

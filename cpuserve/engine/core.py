@@ -127,8 +127,8 @@ class EngineCore:
             error = next((u.error for u in group if u.error is not None), None)
             if error is not None:
                 outputs.append(self._fail(request_id, error))
-            elif any(u.sampled for u in group) or prompt_lps is not None:
-                deltas = [self._delta(u) for u in group if u.sampled]
+            elif any(u.news for u in group) or prompt_lps is not None:
+                deltas = [self._delta(u) for u in group if u.news]
                 outputs.append(EngineCoreOutput(request_id, deltas, prompt_lps))
                 if all(s.finished for s in self.requests[request_id]):
                     del self.requests[request_id]

@@ -59,6 +59,8 @@ class RequestState:
                 self.num_cached_tokens = delta.num_cached_tokens
             if seq.finish_reason is not None:
                 continue  # ended here by a stop string: later tokens never existed
+            if not delta.new_token_ids and delta.finish_reason is not None:  # ended without a token (max_tokens 0)
+                seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
             for j, (token, info) in enumerate(zip(delta.new_token_ids, delta.new_logprobs, strict=True)):
                 seq.token_ids.append(token)
                 if info is not None:

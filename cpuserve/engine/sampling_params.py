@@ -26,7 +26,7 @@ class InvalidRequest(CpuserveError):
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0: score the prompt (prompt_logprobs) and generate nothing
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,8 +55,10 @@ class SamplingParams:
         """Raise InvalidRequest naming the first impossible parameter."""
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequest("n", f"must be between 1 and {MAX_N}, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequest("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidRequest("max_tokens", f"must be at least 0, got {self.max_tokens}")
+        if self.max_tokens == 0 and self.structured_outputs is not None:
+            raise InvalidRequest("max_tokens", "0 generates nothing: no output to hold to a constraint")
         if self.min_tokens < 0:
             raise InvalidRequest("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

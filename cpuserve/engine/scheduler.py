@@ -72,6 +72,11 @@ class SequenceUpdate:
     def sampled(self) -> bool:
         return bool(self.new_tokens) or self.error is not None
 
+    @property
+    def news(self) -> bool:
+        """Something to report: tokens, an error, or a finish (a prompt scored with max_tokens 0)."""
+        return self.sampled or self.seq.finished
+
 
 class Scheduler:
     def __init__(
@@ -130,8 +135,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = self._fill()
         # Sampled positions, fixed now (num_computed moves on in update_from_output): one for
-        # every item that reaches the end of its sequence.
-        batch.num_sampled = [int(s.num_computed + n == s.num_tokens) for s, n in batch.items]
+        # every item that reaches the end of its sequence (none for a prompt scored with max_tokens 0).
+        batch.num_sampled = [
+            int(s.num_computed + n == s.num_tokens and s.params.max_tokens != 0) for s, n in batch.items
+        ]
         return batch
 
     def _fill(self) -> ScheduledBatch:
@@ -190,6 +197,8 @@ class Scheduler:
                     break
             if update.error is not None and not seq.finished:
                 self.finish(seq, "abort")
+            elif seq.params.max_tokens == 0 and not seq.in_prefill and not seq.finished:
+                self.finish(seq, "length")  # the prompt is scored; nothing is generated
             updates.append(update)
         return updates
 

@@ -64,6 +64,14 @@ async def create_completion(server: Server, request: Request, req: CompletionReq
     return JSONResponse(await _body(server, rid, created, req, finals))
 
 
+def _prompt_part(req: CompletionRequest, out: RequestOutput, offset: int) -> list:  # type: ignore[type-arg]
+    """The echoed prompt's logprob entries (the first token's is None), as completion_logprobs takes them."""
+    if not req.echo:
+        return []
+    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+    return [(list(out.prompt_token_ids), entries, offset)]
+
+
 async def _body(
     server: Server, rid: str, created: int, req: CompletionRequest, finals: list[RequestOutput]
 ) -> dict[str, Any]:
@@ -76,8 +84,8 @@ async def _body(
             completion_tokens += len(o.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                entries = (list(out.prompt_logprobs or []) if req.echo else []) + list(o.logprobs or [])
-                logprobs = completion_logprobs(tokenizer, entries, 0)
+                parts = [*_prompt_part(req, out, 0), (list(o.token_ids), list(o.logprobs or []), len(prompt_text))]
+                logprobs = completion_logprobs(tokenizer, parts)
             choice = {
                 "index": i * req.n + o.index,
                 "text": prompt_text + o.text,
@@ -127,10 +135,15 @@ async def _events(
             if not (prefix or delta or o.finish_reason or new_lp):
                 continue
             sent[idx] = (len(o.text), len(o.logprobs or []))
+            logprobs = None
+            if req.logprobs is not None:
+                echoed = _prompt_part(req, out, 0) if prefix else []
+                new_ids = list(o.token_ids)[nlp : nlp + len(new_lp)]
+                logprobs = completion_logprobs(server.tokenizer, [*echoed, (new_ids, new_lp, len(prefix) + chars)])
             choice = {
                 "index": idx,
                 "text": prefix + delta,
-                "logprobs": completion_logprobs(server.tokenizer, new_lp, chars) if req.logprobs is not None else None,
+                "logprobs": logprobs,
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
             }

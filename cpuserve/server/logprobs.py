@@ -17,19 +17,26 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs | None], offset: int) -> dict[str, Any]:
-    """`offset`: characters of the choice's text before the first entry (streamed deltas)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    pos = offset
-    for e in entries:
-        if e is None:
-            continue
-        text = _text(tokenizer, e.token_id)
-        tokens.append(text)
-        token_lps.append(e.logprob)
-        tops.append({_text(tokenizer, t): lp for t, lp in e.top.items()})
-        offsets.append(pos)
-        pos += len(text)
+def completion_logprobs(
+    tokenizer: Tokenizer, parts: list[tuple[list[int], list[TokenLogprobs | None], int]]
+) -> dict[str, Any]:
+    """The legacy shape over consecutive parts of a choice's text (the echoed prompt, then the
+    generated tokens): each part is (token ids, their entries, characters of the text before it).
+    An entry of None is a token the model has no logprob for (the first prompt token): it is listed
+    with `null` logprob and top logprobs, as OpenAI and vLLM list it."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for ids, entries, offset in parts:
+        pos = offset
+        for token, e in zip(ids, entries, strict=True):
+            text = _text(tokenizer, token)
+            tokens.append(text)
+            token_lps.append(e.logprob if e is not None else None)
+            tops.append({_text(tokenizer, t): lp for t, lp in e.top.items()} if e is not None else None)
+            offsets.append(pos)
+            pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
