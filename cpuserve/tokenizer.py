@@ -69,6 +69,18 @@ class _GenerationTag(Extension):
         return caller()
 
 
+def _first_failing(render: Any, messages: list[dict[str, Any]]) -> int | None:
+    """The index of the message a template fails on: the shortest failing prefix's last message
+    (only run once rendering has failed; a template that needs the whole conversation may point
+    earlier than the real culprit, so the message says which index it found, no more)."""
+    for k in range(1, len(messages) + 1):
+        try:
+            render(messages[:k])
+        except Exception:
+            return k - 1
+    return None
+
+
 def _template_line(exc: BaseException) -> int | None:
     """The template line an error was raised at (jinja maps template frames to `<template>`)."""
     line = getattr(exc, "lineno", None)
@@ -231,7 +243,9 @@ class Tokenizer:
                 raise
             line = _template_line(exc)
             where = f" at template line {line}" if line else ""
-            raise ChatTemplateError(f"chat template failed{where}: {type(exc).__name__}: {exc}") from None
+            index = _first_failing(render, messages)
+            which = f" on message {index}" if index is not None else ""
+            raise ChatTemplateError(f"chat template failed{which}{where}: {type(exc).__name__}: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens itself, so none are added on top.

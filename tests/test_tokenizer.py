@@ -60,3 +60,26 @@ def test_incremental_detokenizer_streams_the_full_text(text, ours):
     # Multi-byte characters split across tokens produce empty pieces until they are complete.
     if any(ord(c) > 0xFFFF for c in text):
         assert "" in pieces
+
+
+def test_chat_template_faults_name_the_message_and_the_line(ours):
+    from cpuserve.tokenizer import ChatTemplateError
+
+    template = "{% for m in messages %}\n{{ m['content'] | length + m['extra'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "a", "extra": 1}, {"role": "user", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match=r"on message 1 at template line 2"):
+        ours.apply_chat_template(messages, template=template)
+
+
+def test_chat_templates_render_as_transformers_renders_them(ours):
+    # Plain-JSON tojson (Jinja's own escapes < > & '), loop controls and the generation tag.
+    template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% generation %}{{ m | tojson }}{% endgeneration %}{% endfor %}"
+    )
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "it's <b> & é"}]
+    assert ours.apply_chat_template(messages, template=template) == '{"role": "user", "content": "it\'s <b> & é"}'
+    # A null content (an assistant tool-call turn) reaches a template that can take it as None.
+    tool_turn = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]
+    rendered = ours.apply_chat_template(tool_turn, template="{{ messages[0].content is none }}")
+    assert rendered == "True"
