@@ -151,6 +151,16 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def hidden_size(self) -> int:
+        """The width of the model's hidden states (of its embeddings)."""
+        return self.engine.model.spec.hidden_size
+
+    @property
+    def pooling(self):  # type: ignore[no-untyped-def]
+        """How embedding requests pool: the model's sentence-transformers config, or mean + normalize."""
+        return self.engine.pooling
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -60,7 +60,7 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the sequence's leading full blocks; the last token is always computed.
         None for a sequence that asks for prompt logprobs: they need every position computed."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or seq.params.pooling is not None:
             return []
         tokens = seq.token_ids
         hits, parent = [], None

@@ -129,7 +129,8 @@ class EngineCore:
                 outputs.append(self._fail(request_id, error))
             elif any(u.news for u in group) or prompt_lps is not None:
                 deltas = [self._delta(u) for u in group if u.news]
-                outputs.append(EngineCoreOutput(request_id, deltas, prompt_lps))
+                embedding = next((u.pooled for u in group if u.pooled is not None), None)
+                outputs.append(EngineCoreOutput(request_id, deltas, prompt_lps, embedding=embedding))
                 if all(s.finished for s in self.requests[request_id]):
                     del self.requests[request_id]
         return outputs

@@ -11,6 +11,7 @@ from cpuserve.engine.core import EngineConfig, EngineCore
 from cpuserve.engine.input_processor import InputProcessor
 from cpuserve.engine.output_processor import RequestState
 from cpuserve.engine.outputs import RequestOutput
+from cpuserve.engine.pooling import PoolingConfig
 from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.engine.stats import EngineStats
 from cpuserve.engine.structured import GrammarCompiler
@@ -64,6 +65,7 @@ class LLMEngine:
         self.inputs = InputProcessor(tokenizer, self.vocab_size, max_len, self.grammars)
         self.states: dict[str, RequestState] = {}
         self.facts: dict | None = None  # the model's footprint facts when built by from_model_dir
+        self.pooling = PoolingConfig()  # how embedding requests pool (from_model_dir reads the model's)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -179,5 +181,6 @@ class LLMEngine:
             )
         model = load_model(source, dtype, quantize_lm_head=quantize_lm_head or overrides.quantize_lm_head)
         engine = cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+        engine.pooling = PoolingConfig.load(model_dir)
         engine.facts = facts
         return engine

@@ -4,11 +4,12 @@ the scheduler owns the sequences' state and is told what came out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cpuserve.engine.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
+from cpuserve.engine.pooling import PoolState
 from cpuserve.engine.sampler import sample, token_logprobs
 from cpuserve.engine.scheduler import Sampled, ScheduledBatch, StepOutput
 from cpuserve.engine.structured import MaskComputer
@@ -22,6 +23,7 @@ class StepLogits:
     sample_logits: torch.Tensor | None  # [sum of num_sampled, V], items in batch order
     samplers: list[int]  # one entry per row of sample_logits: its index into batch.items
     prompt_logits: dict[int, torch.Tensor]  # batch index -> [n, V] for the chunk's positions
+    pooled: dict[int, list[float]] = field(default_factory=dict)  # batch index -> a finished embedding
 
 
 class ModelRunner:
@@ -91,6 +93,8 @@ class ModelRunner:
         pending = self.masks.start([batch.items[i][0].grammar for i in constrained]) if constrained else None
         logits = self.execute(batch)
         out = StepOutput()
+        for i, vec in logits.pooled.items():
+            out.pooled[i] = vec
         for i, rows in logits.prompt_logits.items():
             seq = batch.items[i][0]
             try:
@@ -132,7 +136,12 @@ class ModelRunner:
         samplers, rows, prompt_logits = [], [], {}
         num_sampled = batch.num_sampled
         row = 0
+        pooled: dict[int, list[float]] = {}
         for i, (seq, n) in enumerate(batch.items):
+            if seq.params.pooling is not None:
+                pooled_vec = self._pool(seq, hidden[row : row + n])
+                if pooled_vec is not None:
+                    pooled[i] = pooled_vec
             k = min(num_sampled[i], n)
             samplers.extend([i] * k)
             rows.extend(range(row + n - k, row + n))
@@ -143,4 +152,14 @@ class ModelRunner:
                     prompt_logits[i] = self.model.logits(hidden[row : row + last - seq.num_computed])
             row += n
         sample_logits = self.model.logits(hidden[rows]) if rows else None
-        return StepLogits(sample_logits, samplers, prompt_logits)
+        return StepLogits(sample_logits, samplers, prompt_logits, pooled)
+
+    @staticmethod
+    def _pool(seq, hidden: torch.Tensor) -> list[float] | None:  # type: ignore[no-untyped-def]
+        """Fold a chunk's hidden states into the sequence's pool; the vector once the prompt is done."""
+        if seq.pool is None:
+            seq.pool = PoolState()
+        seq.pool.add(hidden, seq.num_computed)
+        if seq.num_computed + hidden.shape[0] < len(seq.prompt_ids):
+            return None
+        return seq.pool.result(seq.params.pooling, seq.params.normalize).tolist()

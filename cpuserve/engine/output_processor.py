@@ -39,6 +39,7 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * len(request.prompt_ids)
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
+        self.embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,8 @@ class RequestState:
             start, entries = out.prompt_logprobs
             self.prompt_logprobs[start : start + len(entries)] = entries
         stops = []
+        if out.embedding is not None:
+            self.embedding = out.embedding
         for delta in out.deltas:
             seq = self.seqs[delta.index]
             if delta.index == 0:  # as vLLM reports it: the first sequence's prefix-cache hit
@@ -106,6 +109,7 @@ class RequestState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=metrics,
+            embedding=self.embedding,
         )
 
     def failed(self, error: str) -> RequestOutput:

@@ -33,3 +33,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when this request alone failed (finished, outputs as far as they got)
+    embedding: list[float] | None = None  # an embedding request's vector (pooling params), once finished

@@ -43,4 +43,5 @@ class EngineCoreOutput:
     deltas: list[SequenceDelta]
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None  # (first position, entries)
     error: str | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (with its finish)
     time: float = field(default_factory=time.monotonic)

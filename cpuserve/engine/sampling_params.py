@@ -46,6 +46,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None  # only these may be drawn (vLLM's name): a per-row logits mask
     structured_outputs: StructuredOutputs | None = None  # a grammar the output is held to (a per-step mask)
+    pooling: str | None = None  # an embedding request: "mean" / "last" / "cls" of the prompt's hidden states
+    normalize: bool = True  # the pooled vector scaled to unit length
 
     @property
     def greedy(self) -> bool:
@@ -95,5 +97,10 @@ class SamplingParams:
             bad = next((t for t in self.allowed_token_ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise InvalidRequest("allowed_token_ids", f"token id {bad} is outside the vocabulary")
+        if self.pooling is not None:
+            if self.pooling not in ("mean", "last", "cls"):
+                raise InvalidRequest("pooling", f"must be mean, last or cls, got {self.pooling!r}")
+            if self.max_tokens != 0 or self.n != 1:
+                raise InvalidRequest("pooling", "an embedding request generates nothing (max_tokens 0, n 1)")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")

@@ -57,6 +57,7 @@ class StepOutput:
     sampled: dict[int, list[Sampled | Exception]] = field(default_factory=dict)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     errors: dict[int, Exception] = field(default_factory=dict)
+    pooled: dict[int, list[float]] = field(default_factory=dict)  # an embedding request's vector, when complete
 
 
 @dataclass
@@ -67,6 +68,7 @@ class SequenceUpdate:
     new_tokens: list[Sampled] = field(default_factory=list)
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     error: Exception | None = None
+    pooled: list[float] | None = None
 
     @property
     def sampled(self) -> bool:
@@ -179,7 +181,9 @@ class Scheduler:
         batch order. A draw that raised ends its sequence (reason "abort") with the error."""
         updates = []
         for i, (seq, n) in enumerate(batch.items):
-            update = SequenceUpdate(seq, prompt_logprobs=out.prompt_logprobs.get(i), error=out.errors.get(i))
+            update = SequenceUpdate(
+                seq, prompt_logprobs=out.prompt_logprobs.get(i), error=out.errors.get(i), pooled=out.pooled.get(i)
+            )
             self.num_prompt_tokens += max(0, min(n, len(seq.prompt_ids) - seq.num_computed))
             seq.num_computed += n
             self.blocks.register_full_blocks(seq)

