@@ -16,8 +16,9 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
-from cpuserve.engine import InvalidRequest, RequestOutput, StructuredOutputs
+from cpuserve.engine import InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs
 from cpuserve.server import streaming
 from cpuserve.server.errors import APIError
 from cpuserve.server.logprobs import chat_logprobs, prompt_logprobs_json
@@ -37,10 +38,7 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     for m in req.messages:
         msg = m.model_dump(exclude_unset=True)
         if isinstance(m.content, list):
-            texts = [part.get("text", "") for part in m.content if part.get("type") == "text"]
-            if len(texts) != len(m.content):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            msg["content"] = "".join(texts)
+            msg["content"] = join_text(m.content, "messages")
         messages.append(msg)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
@@ -54,6 +52,25 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+def join_text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's text: the string, or its text parts (of these types) joined; 400 for any other part."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else [content]
+    texts = [p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") in kinds]
+    if len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "only text content parts are supported", param=param)
+    return "".join(texts)
+
+
+def chat_request(param: str, **fields: Any) -> ChatCompletionRequest:
+    """The chat request another API's request maps to; a value chat does not take is a 400 naming `param`."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as exc:
+        raise InvalidRequest(param, exc.errors()[0]["msg"]) from None
 
 
 def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputs | None:
@@ -76,7 +93,25 @@ def _starts_in_reasoning(server: Server, ids: list[int]) -> bool:
     return tail.rfind(r.start) > tail.rfind(r.end)
 
 
-async def create_chat_completion(server: Server, request: Request, req: ChatCompletionRequest) -> Response:
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request made ready for the engine: its prompt ids, parameters, tool plan, and whether
+    the output starts inside the reasoning. The Responses and Messages routes run theirs this way too."""
+
+    rid: str
+    created: int
+    ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    in_reasoning: bool
+
+    @property
+    def jobs(self) -> list[streaming.Job]:
+        return [(self.rid, self.ids, self.params)]
+
+
+async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | None = None) -> ChatRun:
+    """Check a chat request (400/404/503 naming the problem) and work out what to ask of the engine."""
     server.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -96,19 +131,21 @@ async def create_chat_completion(server: Server, request: Request, req: ChatComp
     )
     if plan.parser is not None and plan.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers are special tokens
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    jobs: list[streaming.Job] = [(rid, ids, params)]
+    return ChatRun(rid or f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ids, params, plan, in_reasoning)
+
+
+async def create_chat_completion(server: Server, request: Request, req: ChatCompletionRequest) -> Response:
+    run = await prepare_chat(server, req)
     if req.stream:
-        merged = streaming.merge(server, await streaming.start(server, jobs))
-        return streaming.sse(_events(server, rid, created, req, plan, in_reasoning, len(ids), merged))
-    finals = await streaming.collect(server, request, jobs)
+        merged = streaming.merge(server, await streaming.start(server, run.jobs))
+        return streaming.sse(_events(server, run, req, merged))
+    finals = await streaming.collect(server, request, run.jobs)
     if finals is None:
         return Response(status_code=499)
-    return JSONResponse(_body(server, rid, created, req, plan, in_reasoning, len(ids), finals[0]))
+    return JSONResponse(_body(server, run, req, finals[0]))
 
 
-def _message(
+def chat_message(
     server: Server, plan: ToolPlan, in_reasoning: bool, text: str, finish_reason: str | None
 ) -> tuple[dict[str, Any], str | None]:
     """A whole choice's message (content, tool_calls, reasoning_content) and its finish reason."""
@@ -128,19 +165,10 @@ def _message(
     return message, finish_reason
 
 
-def _body(
-    server: Server,
-    rid: str,
-    created: int,
-    req: ChatCompletionRequest,
-    plan: ToolPlan,
-    in_reasoning: bool,
-    prompt_len: int,
-    out: RequestOutput,
-) -> dict[str, Any]:
+def _body(server: Server, run: ChatRun, req: ChatCompletionRequest, out: RequestOutput) -> dict[str, Any]:
     choices = []
     for o in out.outputs:
-        message, finish_reason = _message(server, plan, in_reasoning, o.text, o.finish_reason)
+        message, finish_reason = chat_message(server, run.plan, run.in_reasoning, o.text, o.finish_reason)
         choice: dict[str, Any] = {
             "index": o.index,
             "message": message,
@@ -149,11 +177,11 @@ def _body(
             "stop_reason": o.stop_reason,
         }
         choices.append(choice)
-    completion = sum(len(o.token_ids) for o in out.outputs)
+    prompt_len, completion = len(run.ids), sum(len(o.token_ids) for o in out.outputs)
     body = {
-        "id": rid,
+        "id": run.rid,
         "object": "chat.completion",
-        "created": created,
+        "created": run.created,
         "model": server.model_name,
         "choices": choices,
         "usage": {
@@ -192,39 +220,33 @@ class _ChoiceStream:
         return out
 
 
-async def _events(
-    server: Server,
-    rid: str,
-    created: int,
-    req: ChatCompletionRequest,
-    plan: ToolPlan,
-    in_reasoning: bool,
-    prompt_len: int,
-    merged: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[dict[str, Any]]:
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": server.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
+@dataclasses.dataclass
+class ChoiceDelta:
+    """What one engine output adds to one streamed choice: its opening (`opening`, nothing else yet),
+    or message fragments (`deltas`: content, reasoning_content or tool_calls, as the chat stream
+    sends them; [{}] when only logprobs or the finish are new) with the new logprob entries."""
 
+    out: RequestOutput
+    index: int
+    opening: bool
+    deltas: list[dict[str, Any]]
+    logprobs: list[Any]
+    finish_reason: str | None = None  # "tool_calls" once a call was sent and the model stopped
+    stop_reason: int | str | None = None
+
+
+async def choice_deltas(
+    server: Server, run: ChatRun, merged: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[ChoiceDelta]:
+    """The stream of a chat run's choices, read through their reasoning and tool readers."""
     streams: dict[int, _ChoiceStream] = {}
-    last: RequestOutput | None = None
     async for _, out in merged:
-        last = out
         for o in out.outputs:
             state = streams.get(o.index)
             if state is None:
-                reasoning = server.reasoning.stream(in_reasoning=in_reasoning) if server.reasoning else None
-                state = streams[o.index] = _ChoiceStream(ToolDeltaStream(plan), reasoning)
-                first = {"index": o.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                yield chunk([{**first, "finish_reason": None}])
+                reasoning = server.reasoning.stream(in_reasoning=run.in_reasoning) if server.reasoning else None
+                state = streams[o.index] = _ChoiceStream(ToolDeltaStream(run.plan), reasoning)
+                yield ChoiceDelta(out, o.index, True, [], [])
             text, new_lp = o.text[state.chars :], (o.logprobs or [])[state.logprobs :]
             if not (text or new_lp or o.finish_reason):
                 continue
@@ -237,15 +259,43 @@ async def _events(
             finish_reason = o.finish_reason
             if finish_reason == "stop" and state.tools.calls:
                 finish_reason = "tool_calls"
-            for j, delta in enumerate(deltas):
-                last_one = j == len(deltas) - 1
-                lps = chat_logprobs(server.tokenizer, new_lp) if req.logprobs and j == 0 else None
-                choice = {"index": o.index, "delta": delta, "logprobs": lps, "finish_reason": None}
-                if last_one:
-                    choice.update(finish_reason=finish_reason, stop_reason=o.stop_reason)
-                yield chunk([choice])
+            yield ChoiceDelta(out, o.index, False, deltas, new_lp, finish_reason, o.stop_reason)
+
+
+async def _events(
+    server: Server,
+    run: ChatRun,
+    req: ChatCompletionRequest,
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[dict[str, Any]]:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        body = {
+            "id": run.rid,
+            "object": "chat.completion.chunk",
+            "created": run.created,
+            "model": server.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    last: RequestOutput | None = None
+    async for d in choice_deltas(server, run, merged):
+        last = d.out
+        if d.opening:
+            first = {"index": d.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            yield chunk([{**first, "finish_reason": None}])
+            continue
+        for j, delta in enumerate(d.deltas):
+            last_one = j == len(d.deltas) - 1
+            lps = chat_logprobs(server.tokenizer, d.logprobs) if req.logprobs and j == 0 else None
+            choice = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+            if last_one:
+                choice.update(finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+            yield chunk([choice])
     if req.stream_options and req.stream_options.include_usage and last is not None:
-        completion = sum(len(o.token_ids) for o in last.outputs)
+        prompt_len, completion = len(run.ids), sum(len(o.token_ids) for o in last.outputs)
         yield chunk(
             [],
             {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion},

@@ -74,7 +74,8 @@ class SamplingFields(BaseModel):
         max_tokens: int,
         constraint: StructuredOutputs | None = None,
     ) -> SamplingParams:
-        """The engine's parameters: request values, else the model's generation_config, else OpenAI's.
+        """The engine's parameters: request values, else `defaults` (the model's generation_config and
+        serve --seed), else OpenAI's.
         `constraint`: the output constraint the caller worked out (request_constraint's, or a tool choice's)."""
 
         def pick(name: str, fallback: Any) -> Any:
@@ -103,7 +104,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=bias,
-            seed=self.seed,
+            seed=pick("seed", None),  # the request's, else serve --seed's
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,

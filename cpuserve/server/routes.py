@@ -12,13 +12,18 @@ from fastapi.responses import Response
 
 from cpuserve import __version__
 from cpuserve.engine import AsyncEngine
+from cpuserve.server.access_log import install_access_log
+from cpuserve.server.anthropic_messages import AnthropicErrors, MessagesRequest, create_message
 from cpuserve.server.auth import APIKeyAuth
 from cpuserve.server.body_limit import BodySizeLimit
 from cpuserve.server.chat import chat_prompt, create_chat_completion
 from cpuserve.server.completions import create_completion
+from cpuserve.server.embeddings import EmbeddingRequest, create_embedding
 from cpuserve.server.errors import APIError, install_error_handlers
 from cpuserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from cpuserve.server.responses import ResponsesRequest, create_response
 from cpuserve.server.state import Server, ServerConfig
+from cpuserve.server.stats_log import start_stats_log, stop_stats_log
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -26,7 +31,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats_log = start_stats_log(engine, config.log_stats)  # engine stats lines every 10 s while busy
         yield
+        stop_stats_log(stats_log)
         server.tokens.shutdown()  # after the last connection closed: no request needs it now
 
     app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan)
@@ -36,6 +43,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     # a request without the key gets 401 before its body is read, counted (413) or parsed (400).
     app.add_middleware(APIKeyAuth, api_key=config.api_key)
     install_error_handlers(app)
+    install_access_log(app, server)  # after the handlers and every add_middleware: outermost, sees each 401
 
     @app.get("/health")
     async def health() -> Response:
@@ -67,6 +75,20 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatCompletionRequest) -> Response:
         return await create_chat_completion(server, request, req)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request, req: EmbeddingRequest) -> Response:
+        return await create_embedding(server, request, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, req: ResponsesRequest) -> Response:
+        return await create_response(server, request, req)
+
+    async def messages(request: Request, req: MessagesRequest) -> Response:
+        return await create_message(server, request, req)
+
+    # Its errors in Anthropic's shape for Anthropic clients (AnthropicErrors).
+    app.router.add_api_route("/v1/messages", messages, methods=["POST"], route_class_override=AnthropicErrors)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

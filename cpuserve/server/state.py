@@ -29,6 +29,14 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser name
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser name
+    seed: int | None = None  # --seed: the seed of requests that give none (joins sampling_defaults)
+    log_requests: bool = True  # an access line per API request (off: --disable-log-requests)
+    log_prompts: bool = False  # --log-prompts: access lines carry the prompt's first 200 characters
+    log_stats: bool = True  # engine stats lines every 10 s while busy (off: --disable-log-stats)
+
+    def __post_init__(self) -> None:
+        if self.seed is not None:  # a copy: the caller's dict is left as it was
+            self.sampling_defaults = {**self.sampling_defaults, "seed": self.seed}
 
 
 class Server:

@@ -1,0 +1,392 @@
+"""POST /v1/responses: OpenAI's Responses API, run as a chat completion (chat.py's prepare_chat).
+
+`instructions` become a system message first, input items chat messages (function_call items an
+assistant's tool_calls, function_call_output items "tool" messages, `developer` is `system`), tools,
+tool_choice and `text.format` their chat spellings. The message comes back as output items
+(`reasoning` with a reasoning parser, `message` with `output_text`, `function_call`), streamed as the
+numbered events `client.responses.stream()` consumes, each on an `event:` line.
+
+Stateless: nothing is stored whatever `store` says (absent, false, true: all accepted, and every
+response says `"store": false`), so `previous_response_id` and `conversation` are refused, as is any
+field that would change the answer and is not honoured (reasoning effort, built-in tools, background).
+`reasoning` items sent back as input are dropped, as chat templates drop them. Shared with
+anthropic_messages.py: a chat message as blocks (Blocks, block_stream), serve_run, refuse_unhonoured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from cpuserve.engine import InvalidRequest, RequestOutput
+from cpuserve.server import streaming
+from cpuserve.server.chat import ChatRun, chat_message, chat_request, choice_deltas, join_text, prepare_chat
+from cpuserve.server.errors import ENGINE_ERRORS, APIError, api_error
+from cpuserve.server.protocol import ChatCompletionRequest
+from cpuserve.server.state import Server
+
+Merged = AsyncIterator[tuple[int, RequestOutput]]
+Events = Callable[[Merged], AsyncIterator[dict[str, Any]]]  # the API's events of a streamed run
+
+
+@dataclasses.dataclass
+class Block:
+    """One part of an assistant message: its text, its reasoning, or one tool call (`text`: the arguments)."""
+
+    kind: str  # "text" | "reasoning" | "call"
+    index: int
+    text: str = ""
+    call_id: str | None = None
+    name: str | None = None
+    complete: bool = True  # False: generation was cut (max tokens) inside this block
+    key: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+
+Step = tuple[str, Block, str]  # ("open" | "delta" | "close", the block, the new text)
+
+
+class Blocks:
+    """A choice's message fragments (chat.py's stream deltas) as blocks, opened, grown and closed in order."""
+
+    def __init__(self) -> None:
+        self.parts: list[Block] = []
+        self.open: Block | None = None
+
+    def feed(self, fragment: dict[str, Any]) -> list[Step]:
+        steps: list[Step] = []
+        if fragment.get("reasoning_content"):
+            steps += self._add("reasoning", fragment["reasoning_content"])
+        if fragment.get("content"):
+            steps += self._add("text", fragment["content"])
+        for call in fragment.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            if "id" in call:  # a call's head: its own block
+                steps += self._open("call", call_id=call["id"], name=fn.get("name"))
+            if fn.get("arguments"):
+                steps += self._add("call", fn["arguments"])
+        return steps
+
+    def finish(self, cut: bool) -> list[Step]:
+        """Close the last block (an empty text block if there was none), marked incomplete if `cut`."""
+        steps = [] if self.parts else self._open("text")
+        if self.open is not None:
+            self.open.complete = not cut
+        return steps + self._close()
+
+    def _add(self, kind: str, piece: str) -> list[Step]:
+        steps = [] if self.open is not None and self.open.kind == kind else self._open(kind)
+        assert self.open is not None
+        self.open.text += piece
+        return [*steps, ("delta", self.open, piece)]
+
+    def _open(self, kind: str, **fields: Any) -> list[Step]:
+        steps = self._close()
+        self.open = Block(kind, len(self.parts), **fields)
+        self.parts.append(self.open)
+        return [*steps, ("open", self.open, "")]
+
+    def _close(self) -> list[Step]:
+        block, self.open = self.open, None
+        return [] if block is None else [("close", block, "")]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished choice: its blocks, why it ended (chat's finish reason, "tool_calls" included) and its length."""
+
+    parts: list[Block]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    output_tokens: int
+
+
+Body = Callable[[Outcome], dict[str, Any]]  # the API's answer to a run done
+
+
+def message_blocks(message: dict[str, Any], cut: bool) -> list[Block]:
+    """A whole chat message (chat_message's) as blocks: reasoning, text, then each tool call."""
+    blocks = Blocks()
+    blocks.feed(message)
+    blocks.finish(cut)
+    return blocks.parts
+
+
+async def block_stream(server: Server, run: ChatRun, merged: Merged) -> AsyncIterator[Step | Outcome]:
+    """A streamed run's blocks as they open, grow and close; its Outcome last."""
+    blocks, last = Blocks(), None
+    async for d in choice_deltas(server, run, merged):
+        last = d
+        for fragment in d.deltas:
+            for step in blocks.feed(fragment):
+                yield step
+    finish = last.finish_reason if last else None
+    for step in blocks.finish(cut=finish == "length"):
+        yield step
+    tokens = len(last.out.outputs[0].token_ids) if last else 0
+    yield Outcome(blocks.parts, finish, last.stop_reason if last else None, tokens)
+
+
+def event_stream(events: AsyncIterator[dict[str, Any]]) -> Response:
+    """Server-sent events, each named by its `type` (an `event:` line) and with no `[DONE]` after the last."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+async def serve_run(
+    server: Server, request: Request, run: ChatRun, stream: bool, events: Events, body: Body
+) -> Response:
+    """Run a one-choice chat: its `events` streamed, or its `body` once it is done (499: the client left)."""
+    if stream:
+        return event_stream(events(streaming.merge(server, await streaming.start(server, run.jobs))))
+    finals = await streaming.collect(server, request, run.jobs)
+    if finals is None:
+        return Response(status_code=499)
+    o = finals[0].outputs[0]
+    message, finish = chat_message(server, run.plan, run.in_reasoning, o.text, o.finish_reason)
+    blocks = message_blocks(message, finish == "length")
+    return JSONResponse(body(Outcome(blocks, finish, o.stop_reason, len(o.token_ids))))
+
+
+def refuse_unhonoured(fields: dict[str, Any], names: tuple[str, ...]) -> None:
+    """400 naming the first of these fields that asks for something (they are not honoured): a field
+    that is absent, off, empty, "disabled"/"none", or an object or list of such, asks for nothing."""
+
+    def asks_nothing(value: Any) -> bool:
+        if isinstance(value, dict | list):
+            return all(asks_nothing(v) for v in (value.values() if isinstance(value, dict) else value))
+        return value in (None, False, 0, "", "disabled", "none")
+
+    for name in names:
+        if not asks_nothing(fields.get(name)):
+            raise InvalidRequest(name, "is not supported by this server; the request was not run")
+
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+PART_KINDS = ("input_text", "output_text", "text")
+STATELESS = "previous_response_id is not supported: this server keeps no state"
+# Fields that would change the answer and are not honoured: a request that asks for any is refused.
+NOT_HONOURED = (
+    *("conversation", "background", "reasoning", "include", "prompt", "top_logprobs", "max_tool_calls"),
+    *("truncation", "text.verbosity"),
+)
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept, so NOT_HONOURED can see what was sent
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool | None = None  # accepted whatever it says: nothing is ever stored
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses request asks for (400 naming what cannot be mapped)."""
+    if req.previous_response_id is not None:
+        raise APIError(400, STATELESS, param="previous_response_id")
+    text = req.text or {}
+    verbosity = text.get("verbosity") if text.get("verbosity") != "medium" else None  # medium: the default
+    given = {**(req.model_extra or {}), "reasoning": req.reasoning, "text.verbosity": verbosity}
+    refuse_unhonoured(given, NOT_HONOURED)
+    fmt = text.get("format")
+    return chat_request(
+        "input",
+        **req.model_dump(include={"model", "temperature", "top_p", "parallel_tool_calls"}),
+        messages=_messages(req),
+        max_tokens=req.max_output_tokens,
+        tools=[_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
+        tool_choice=_tool_choice(req.tool_choice),
+        response_format=_response_format(fmt) if fmt is not None else None,
+    )
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        kind, param = item.get("type", "message"), f"input[{i}]"
+        field = lambda name, item=item, param=param: _string(item, name, param)  # noqa: E731
+        if kind == "message":
+            role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
+            if role is None:
+                raise InvalidRequest(param, f"role {item.get('role')!r} is not user, assistant, system or developer")
+            out.append({"role": role, "content": join_text(item.get("content"), f"{param}.content", PART_KINDS)})
+        elif kind == "function_call":
+            call = {"id": field("call_id"), "type": "function", "function": {"name": field("name")}}
+            call["function"]["arguments"] = field("arguments")
+            if out and out[-1]["role"] == "assistant":  # calls after an assistant message are part of it
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = join_text(item.get("output"), f"{param}.output", PART_KINDS)
+            out.append({"role": "tool", "tool_call_id": field("call_id"), "content": output})
+        elif kind != "reasoning":
+            raise InvalidRequest(param, f"input items of type {kind!r} are not supported (this server keeps no state)")
+    if not out:
+        raise InvalidRequest("input", "must hold at least one message")
+    return out
+
+
+def _string(item: dict[str, Any], name: str, param: str) -> str:
+    if not isinstance(item.get(name), str):
+        raise InvalidRequest(param, f"a {item.get('type')} item needs a string {name!r}")
+    return item[name]
+
+
+def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise InvalidRequest("tools", f"tool {i} is of type {tool.get('type')!r}: only function tools are supported")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidRequest("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name"}')
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise InvalidRequest("text.format", "must be of type text, json_object or json_schema")
+
+
+async def create_response(server: Server, request: Request, req: ResponsesRequest) -> Response:
+    run = await prepare_chat(server, to_chat(req), f"resp_{uuid.uuid4().hex}")
+    return await serve_run(
+        server, request, run, req.stream, partial(_events, server, run, req), partial(_response, server, run, req)
+    )
+
+
+def _item(block: Block, done: bool = True) -> dict[str, Any]:
+    """The output item of a block (as it starts if not `done`)."""
+    status = ("completed" if block.complete else "incomplete") if done else "in_progress"
+    if block.kind == "call":
+        item = {"id": f"fc_{block.key}", "type": "function_call", "status": status, "call_id": block.call_id}
+        return {**item, "name": block.name, "arguments": block.text if done else ""}
+    content = [_part(block)] if done else []
+    if block.kind == "reasoning":
+        return {"id": f"rs_{block.key}", "type": "reasoning", "status": status, "summary": [], "content": content}
+    return {"id": f"msg_{block.key}", "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def _part(block: Block, text: str | None = None) -> dict[str, Any]:
+    text = block.text if text is None else text
+    if block.kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _response(server: Server, run: ChatRun, req: ResponsesRequest, outcome: Outcome | None) -> dict[str, Any]:
+    """The response object: in progress (no outcome yet), completed, or incomplete (cut by max tokens)."""
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    body: dict[str, Any] = {
+        "id": run.rid,
+        "object": "response",
+        "created_at": run.created,
+        "status": "in_progress",
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "model": server.model_name,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "store": False,
+        "temperature": run.params.temperature,
+        "text": {"format": fmt},
+        "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+        "tools": req.tools or [],
+        "top_p": run.params.top_p,
+        "usage": None,
+    }
+    if outcome is not None:
+        cut = outcome.finish_reason == "length"
+        body["status"] = "incomplete" if cut else "completed"
+        body["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
+        body["output"] = [_item(b) for b in outcome.parts]
+        n_in, n_out = len(run.ids), outcome.output_tokens
+        body["usage"] = {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
+    return body
+
+
+async def _events(server: Server, run: ChatRun, req: ResponsesRequest, merged: Merged) -> AsyncIterator[dict[str, Any]]:
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": next(numbers), **fields}
+
+    start = _response(server, run, req, None)
+    yield event("response.created", response=start)
+    yield event("response.in_progress", response=start)
+    try:
+        async for step in block_stream(server, run, merged):
+            if isinstance(step, Outcome):
+                final = _response(server, run, req, step)
+                yield event(f"response.{final['status']}", response=final)  # completed or incomplete
+            else:
+                for kind, fields in _block_events(*step):
+                    yield event(kind, output_index=step[1].index, **fields)
+    except (*ENGINE_ERRORS, APIError) as exc:
+        err = api_error(exc)
+        yield event("error", code=str(err.code or err.status), message=err.message, param=err.param)
+
+
+def _block_events(action: str, block: Block, piece: str) -> list[tuple[str, dict[str, Any]]]:
+    """The Responses events (name, fields but the output index) of one step of a block."""
+    item_id = _item(block, done=False)["id"]
+    if block.kind == "call":
+        if action == "open":
+            return [("response.output_item.added", {"item": _item(block, done=False)})]
+        if action == "delta":
+            return [("response.function_call_arguments.delta", {"item_id": item_id, "delta": piece})]
+        done = {"item_id": item_id, "arguments": block.text, "name": block.name}
+        return [("response.function_call_arguments.done", done), ("response.output_item.done", {"item": _item(block)})]
+    where = {"item_id": item_id, "content_index": 0}
+    text_event = "response.output_text" if block.kind == "text" else "response.reasoning_text"
+    if action == "open":
+        added = ("response.content_part.added", {**where, "part": _part(block, "")})
+        return [("response.output_item.added", {"item": _item(block, done=False)}), added]
+    logprobs = {"logprobs": []} if block.kind == "text" else {}
+    if action == "delta":
+        return [(f"{text_event}.delta", {**where, "delta": piece, **logprobs})]
+    return [
+        (f"{text_event}.done", {**where, "text": block.text, **logprobs}),
+        ("response.content_part.done", {**where, "part": _part(block)}),
+        ("response.output_item.done", {"item": _item(block)}),
+    ]
