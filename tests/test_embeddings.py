@@ -111,8 +111,8 @@ def test_openai_sdk_embeddings_equal_transformers_mean_pooling(server, hf_smol, 
     [
         ({"input": "x", "dimensions": 100}, "dimensions"),
         ({"input": []}, "input"),
-        ({"input": "word " * 3000}, "prompt"),
-        ({"input": [10**8]}, "prompt"),
+        ({"input": "word " * 3000}, "input"),
+        ({"input": [10**8]}, "input"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ],
 )

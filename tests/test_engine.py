@@ -227,3 +227,17 @@ def test_a_request_that_faults_fails_alone(engine, monkeypatch, seed):
     assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.has_unfinished()
     # The engine goes on serving afterwards.
     assert run(engine, [PROMPTS[0]], params[0])[0].outputs[0].token_ids == alone[0]
+
+
+def test_engine_seed_makes_a_run_reproducible_and_unseeded_requests_still_differ(our_smol, tokenizer, smol_dir):
+    def texts(seed: int) -> list[str]:
+        engine = make_engine(our_smol, tokenizer, smol_dir, seed=seed)
+        params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+        outs = run(engine, [PROMPTS[0], PROMPTS[0], PROMPTS[1]], params)
+        own = run(engine, [PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5))
+        return [o.outputs[0].text for o in outs + own]
+
+    first, again, other = texts(7), texts(7), texts(8)
+    assert first == again  # the same requests in the same order: the same outputs
+    assert first[0] != first[1]  # two unseeded requests do not share a seed
+    assert first[:3] != other[:3] and first[3] == other[3]  # a request's own seed is its own

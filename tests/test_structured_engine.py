@@ -108,8 +108,9 @@ def test_sampled_json_answers_all_validate(engine, tokenizer):
 
 
 def test_regex_choice_and_grammar_hold_on_every_sample(engine, tokenizer):
-    regex = r"[0-9]{3}-[A-Z]{2}[a-z]*"
-    grammar = 'root ::= greeting " " name\ngreeting ::= "hello" | "goodbye"\nname ::= [A-Z] [a-z]+'
+    # Bounded patterns: every sample ends inside max_tokens, so every one is checked whole.
+    regex = r"[0-9]{3}-[A-Z]{2}[a-z]{0,6}"
+    grammar = 'root ::= greeting " " name\ngreeting ::= "hello" | "goodbye"\nname ::= [A-Z] [a-z] [a-z]? [a-z]?'
     jobs = {}
     for k in range(5):
         common = dict(max_tokens=24, temperature=1.0, seed=k, n=2)
@@ -122,14 +123,16 @@ def test_regex_choice_and_grammar_hold_on_every_sample(engine, tokenizer):
         )
         jobs[f"gr{k}"] = ("Say:", SamplingParams(**common, structured_outputs=StructuredOutputs("grammar", grammar)))
     done = run(engine, jobs)
+    assert len(done) == 15
     for rid, out in done.items():
         for o in out.outputs:
+            assert o.finish_reason == "stop", (rid, o.text)
             if rid.startswith("re"):
-                assert re.fullmatch(regex, o.text) or o.finish_reason == "length", o.text
+                assert re.fullmatch(regex, o.text), o.text
             elif rid.startswith("ch"):
-                assert o.text in ("red apple", "green", "blue sky") and o.finish_reason == "stop"
+                assert o.text in ("red apple", "green", "blue sky")
             else:
-                assert re.fullmatch(r"(hello|goodbye) [A-Z][a-z]+", o.text) or o.finish_reason == "length", o.text
+                assert re.fullmatch(r"(hello|goodbye) [A-Z][a-z]{1,3}", o.text), o.text
 
 
 def test_unconstrained_rows_are_untouched_and_logprobs_are_the_models(engine, tokenizer, our_smol):
@@ -159,22 +162,62 @@ def test_unconstrained_rows_are_untouched_and_logprobs_are_the_models(engine, to
         assert list(entry.top) == torch.topk(ref[n - 1 + i], 3).indices.tolist()
 
 
-def test_constraint_starts_after_the_marker(engine, tokenizer):
-    marker = tuple(tokenizer.encode(" Answer:", add_special_tokens=False))
-    spec = StructuredOutputs("choice", ("yes", "no"), after_ids=marker)
-    # allowed_token_ids force the free part to write the marker quickly: the marker's tokens plus the choices'.
-    allowed = sorted(
-        set(marker)
-        | set(tokenizer.encode("yes", add_special_tokens=False))
-        | set(tokenizer.encode("no", add_special_tokens=False))
+def test_the_marker_is_found_in_text_however_it_is_spelled_in_tokens(engine, tokenizer):
+    spec = StructuredOutputs("choice", ("yes", "no"), after="</think>")
+    grammar = engine.grammars.compile(spec)
+    one, other = (tokenizer.encode(t, add_special_tokens=False) for t in ("hmm.</think>", "ok </think>"))
+    marker = tokenizer.encode("</think>", add_special_tokens=False)
+    assert any(ids[-len(marker) :] != marker for ids in (one, other))  # not the marker's own token ids
+    for ids in (one, other):
+        state = grammar.new_state()
+        for j, token in enumerate(ids):
+            assert not state.active, j
+            state.observe(token)
+        assert state.active and not state.terminated
+        for token in tokenizer.encode("yes", add_special_tokens=False):
+            state.observe(token)
+        assert state.terminated
+
+
+def test_a_constraint_after_reasoning_holds_the_answer_only(engine, tokenizer):
+    prompt = (
+        "Q: Is fire hot? Reasoning: fire burns.</think>yes\n"
+        "Q: Is ice hot? Reasoning: ice is frozen.</think>no\n"
+        "Q: Is the sun hot? Reasoning:"
     )
-    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, allowed_token_ids=allowed, structured_outputs=spec)
-    o = run(engine, {"m": ("Question: is it?", params)})["m"].outputs[0]
-    ids = o.token_ids
-    ends = [i for i in range(len(marker), len(ids) + 1) if tuple(ids[i - len(marker) : i]) == marker]
-    assert ends, o.text
-    after = tokenizer.decode(ids[ends[0] :])
-    assert after in ("yes", "no") and o.finish_reason == "stop", o.text
+    spec = StructuredOutputs("choice", ("yes", "no"), after="</think>")
+    o = run(engine, {"m": (prompt, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec))})["m"]
+    text = o.outputs[0].text
+    assert "</think>" in text and o.outputs[0].finish_reason == "stop", text
+    assert text.split("</think>", 1)[1] in ("yes", "no"), text
+
+
+@pytest.mark.parametrize("kwargs,param", [({"min_tokens": 3}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")])
+def test_what_a_grammar_cannot_honour_is_refused(engine, kwargs, param):
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("x", "Hi", SamplingParams(structured_outputs=StructuredOutputs("regex", "a+"), **kwargs))
+    assert err.value.param == param and not engine.has_unfinished()
+
+
+def test_aborting_a_constrained_request_frees_it_and_the_others_go_on(engine, tokenizer):
+    spec = json_spec(SCHEMAS[0])
+    engine.add_request(
+        "a", chat(tokenizer, "A person as JSON."), SamplingParams(max_tokens=60, structured_outputs=spec)
+    )
+    engine.add_request(
+        "b", chat(tokenizer, "A person as JSON."), SamplingParams(max_tokens=60, structured_outputs=spec)
+    )
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("a")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert list(done) == ["b"]
+    jsonschema.validate(json.loads(done["b"].outputs[0].text), SCHEMAS[0])
+    assert engine.core.blocks.usage == 0
 
 
 @pytest.mark.parametrize(

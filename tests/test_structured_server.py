@@ -164,7 +164,8 @@ def test_named_and_required_tool_choice_always_call_with_valid_arguments(client)
             model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0.8, n=5
         )
         for c in out.choices:
-            assert c.finish_reason == "tool_calls" and c.message.content is None
+            # OpenAI's finish reasons: "stop" for a forced function, "tool_calls" when the model chose to call.
+            assert c.finish_reason == ("stop" if choice is named else "tool_calls") and c.message.content is None
             calls = [check_call(call) for call in c.message.tool_calls]
             assert calls and {call["name"] for call in calls} <= expect
     single = client.chat.completions.create(
@@ -195,7 +196,8 @@ def _calls(message) -> list[dict]:  # type: ignore[no-untyped-def]
 def test_streamed_tool_calls_assemble_to_the_non_streamed_call(client, tool_choice, extra):
     kwargs = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=tool_choice, max_tokens=120)
     plain = client.chat.completions.create(temperature=0.0, extra_body=extra, **kwargs)
-    assert plain.choices[0].finish_reason == "tool_calls"
+    finish = "stop" if isinstance(tool_choice, dict) else "tool_calls"
+    assert plain.choices[0].finish_reason == finish
     with client.chat.completions.stream(temperature=0.0, extra_body=extra, **kwargs) as stream:
         chunks = []
         for event in stream:
@@ -203,7 +205,7 @@ def test_streamed_tool_calls_assemble_to_the_non_streamed_call(client, tool_choi
                 chunks.append(event.chunk)
         final = stream.get_final_completion()
     assert _calls(final.choices[0].message) == _calls(plain.choices[0].message)
-    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].finish_reason == finish
     # Each call's id, type and name come first, before any fragment of its arguments.
     heads = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or []) if d.id]
     assert heads and all(h.function.name and h.function.arguments == "" and h.type == "function" for h in heads)
@@ -242,16 +244,29 @@ def test_tool_history_renders_as_transformers_renders_it(server, smol_dir):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
     ]
+    # transformers' convention: a tool call's arguments are an object (the OpenAI API sends JSON text).
+    hf_history = [
+        {
+            **m,
+            "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ],
+        }
+        if m.get("tool_calls")
+        else m
+        for m in history
+    ]
     for template in (HERMES, reference.chat_template):
         body = {"messages": history, "tools": TOOLS, "chat_template": template}
         r = httpx.post(f"{server}/tokenize", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
         try:
             expected = reference.apply_chat_template(
-                history, tools=TOOLS, chat_template=template, add_generation_prompt=True, tokenize=False
+                hf_history, tools=TOOLS, chat_template=template, add_generation_prompt=True, tokenize=False
             )
         except Exception:  # SmolLM2's template cannot take a null content (transformers fails): "" there
-            blank = [{**m, "content": m["content"] or ""} for m in history]
+            blank = [{**m, "content": m["content"] or ""} for m in hf_history]
             expected = reference.apply_chat_template(
                 blank, tools=TOOLS, chat_template=template, add_generation_prompt=True, tokenize=False
             )
@@ -295,7 +310,11 @@ def test_langchain_structured_output_tools_and_a_tool_round_trip(server):
     assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
     reply = ToolMessage(get_weather.invoke(ai.tool_calls[0]["args"]), tool_call_id=ai.tool_calls[0]["id"])
     second = bound.invoke([question, ai, reply])
-    assert second.content or second.tool_calls
+    # The tool's answer reached the prompt: the second prompt holds the first, the call and the reply.
+    grew = (
+        second.response_metadata["token_usage"]["prompt_tokens"] - ai.response_metadata["token_usage"]["prompt_tokens"]
+    )
+    assert grew > len(str(reply.content).split()) and (second.content or second.tool_calls)
 
 
 # ---- refusals -------------------------------------------------------------------------------------
@@ -326,6 +345,13 @@ def test_langchain_structured_output_tools_and_a_tool_round_trip(server):
             "required",
         ),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "auto"),
+        (
+            {"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
+            "tools",
+            "strict",
+        ),
+        ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens", "grammar"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options", "include_usage"),
     ],
 )
 def test_constraints_the_server_cannot_honour_are_400s(server, body, param, words):
@@ -377,3 +403,30 @@ def test_reasoning_is_split_and_a_constraint_starts_after_it(think_client):
 def test_auto_tool_choice_needs_the_flag(think_client):
     with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
         think_client.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=TOOLS, max_tokens=4)
+
+
+def test_completions_refuse_tools(server):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "tools": TOOLS}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_strict_schemas_close_objects_but_never_rewrite_values():
+    from cpuserve.server.structured import close_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "c": {"const": {"properties": {"x": 1}}},
+            "d": {"enum": [{"properties": 1}]},
+        },
+        "default": {"properties": {}},
+    }
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert (
+        closed["properties"]["c"] == schema["properties"]["c"]
+        and closed["properties"]["d"] == schema["properties"]["d"]
+    )
+    assert closed["default"] == {"properties": {}}

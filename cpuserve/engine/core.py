@@ -38,6 +38,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: sized by the platform memory plan
     long_prefill_token_threshold: int = 0  # vLLM's: at most this many prompt tokens per request and step
+    # vLLM's --seed: requests without a seed of their own draw theirs from a generator seeded with
+    # this, so a run is reproducible (the same requests in the same order give the same outputs)
+    # while two unseeded requests still differ. None: from the OS.
+    seed: int | None = None
 
 
 class EngineCore:
@@ -56,6 +60,7 @@ class EngineCore:
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, eos_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
+        self._seeds = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self.steps = 0
 
     # ---- requests -------------------------------------------------------------------------------
@@ -71,7 +76,7 @@ class EngineCore:
             allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
         for index in range(params.n):
             gen = torch.Generator()
-            gen.manual_seed((params.seed + index) % 2**63 if params.seed is not None else random.getrandbits(63))
+            gen.manual_seed((params.seed + index) % 2**63 if params.seed is not None else self._seeds.getrandbits(63))
             seq = Sequence(next(self._seq_ids), request.request_id, index, list(request.prompt_ids), params, gen)
             seq.allowed = allowed
             seq.grammar = request.grammar.new_state() if request.grammar is not None else None

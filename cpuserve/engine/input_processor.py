@@ -30,11 +30,10 @@ class InputProcessor:
                 raise InvalidRequest("prompt", f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         if not ids:
             raise InvalidRequest("prompt", "is empty")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and params.max_tokens != 0):
+            room = ", which leaves no room to generate" if len(ids) == self.max_model_len else ""
             raise InvalidRequest(
-                "prompt",
-                f"is {len(ids)} tokens; this server's max_model_len is {self.max_model_len}, which "
-                "leaves no room to generate",
+                "prompt", f"is {len(ids)} tokens; this server's max_model_len is {self.max_model_len}{room}"
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(

@@ -118,7 +118,8 @@ class ModelRunner:
         except Exception as exc:
             rows = dict.fromkeys(constrained, exc)
         if len(logits.samplers) != len(set(logits.samplers)) and rows:
-            raise NotImplementedError("a grammar mask covers one sampled position per sequence and step")
+            several = NotImplementedError("a grammar mask covers one sampled position per sequence and step")
+            rows = dict.fromkeys(rows, several)  # those requests fail alone; the engine goes on
         return [rows.get(i) for i in logits.samplers]
 
     @staticmethod

@@ -59,8 +59,18 @@ class SamplingParams:
             raise InvalidRequest("n", f"must be between 1 and {MAX_N}, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidRequest("max_tokens", f"must be at least 0, got {self.max_tokens}")
-        if self.max_tokens == 0 and self.structured_outputs is not None:
-            raise InvalidRequest("max_tokens", "0 generates nothing: no output to hold to a constraint")
+        if self.structured_outputs is not None:
+            param = self.structured_outputs.param
+            if self.max_tokens == 0:
+                raise InvalidRequest("max_tokens", "0 generates nothing: no output to hold to a constraint")
+            if self.min_tokens:
+                raise InvalidRequest(
+                    "min_tokens", f"cannot be honoured with {param}: the grammar decides where the output ends"
+                )
+            if self.ignore_eos:
+                raise InvalidRequest(
+                    "ignore_eos", f"cannot be honoured with {param}: the grammar decides where the output ends"
+                )
         if self.min_tokens < 0:
             raise InvalidRequest("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -190,7 +190,8 @@ async def create_message(server: Server, request: Request, req: MessagesRequest)
 
 def _stop(outcome: Outcome) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished choice."""
-    if outcome.finish_reason == "tool_calls":
+    called = any(b.kind == "call" for b in outcome.parts)  # a forced tool's finish is "stop" in chat
+    if outcome.finish_reason == "tool_calls" or (called and outcome.finish_reason == "stop"):
         return "tool_use", None
     if outcome.finish_reason == "length":
         return "max_tokens", None

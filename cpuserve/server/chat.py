@@ -9,6 +9,7 @@ asked of the engine and how its text becomes the message.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from cpuserve.server import streaming
 from cpuserve.server.errors import APIError
 from cpuserve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from cpuserve.server.protocol import ChatCompletionRequest
-from cpuserve.server.reasoning import ReasoningStream
+from cpuserve.server.reasoning import ReasoningParser, ReasoningStream
 from cpuserve.server.state import Server
 from cpuserve.server.structured import request_constraint
 from cpuserve.server.tool_calls import ToolDeltaStream, ToolPlan, call_id, call_json, plan_tools, read_calls
@@ -33,12 +34,16 @@ from cpuserve.tokenizer import ChatTemplateError
 async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     """The prompt token ids of a chat request (also what /tokenize answers for messages). The
     template gets each message as the client sent it (a `null` or absent content stays so, as
-    transformers passes it), with text parts joined, and the request's tools."""
+    transformers passes it), with text parts joined, and the request's tools. A tool call's
+    `arguments`, JSON text in the OpenAI API, reach the template as the object they encode (as vLLM
+    passes them, and as transformers' templates expect: `arguments | tojson`)."""
     messages = []
     for m in req.messages:
         msg = m.model_dump(exclude_unset=True)
         if isinstance(m.content, list):
             msg["content"] = join_text(m.content, "messages")
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_decoded_arguments(call) for call in msg["tool_calls"]]
         messages.append(msg)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
@@ -52,6 +57,17 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+def _decoded_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+    except json.JSONDecodeError:
+        return call  # not JSON: the template gets the text as sent
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def join_text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
@@ -81,16 +97,20 @@ def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputs
     return constraint or plan.constraint
 
 
-def _starts_in_reasoning(server: Server, ids: list[int]) -> bool:
-    """Whether the output begins inside the reasoning: always for a parser whose models always think
-    (deepseek_r1), else when the rendered prompt leaves a <think> open (a thinking Qwen3 template)."""
+def _reasoning(server: Server, ids: list[int]) -> tuple[ReasoningParser | None, bool]:
+    """This request's reasoning parser and whether its output begins inside the reasoning, from
+    where the rendered prompt leaves it (as vLLM decides): a prompt that already closed the
+    reasoning (a template with thinking off writes `<think></think>`) has none to read; one that
+    leaves a `<think>` open starts inside it; one with neither starts inside it only for a parser
+    whose models always think (deepseek_r1)."""
     r = server.reasoning
     if r is None:
-        return False
-    if r.implicit_start:
-        return True
+        return None, False
     tail = server.tokenizer.decode(ids[-64:], skip_special_tokens=False)
-    return tail.rfind(r.start) > tail.rfind(r.end)
+    opened, closed = tail.rfind(r.start), tail.rfind(r.end)
+    if closed > opened:
+        return None, False
+    return r, opened > closed or r.implicit_start
 
 
 @dataclasses.dataclass
@@ -104,6 +124,7 @@ class ChatRun:
     params: SamplingParams
     plan: ToolPlan
     in_reasoning: bool
+    reasoning: ReasoningParser | None = None  # None: the server reads no reasoning, or the prompt closed it
 
     @property
     def jobs(self) -> list[streaming.Job]:
@@ -121,9 +142,9 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     constraint = _constraint(req, plan)
     server.check_capacity(1)
     ids = await chat_prompt(server, req)
-    in_reasoning = _starts_in_reasoning(server, ids)
-    if constraint is not None and in_reasoning:  # the constraint holds the answer, after the thinking
-        constraint = dataclasses.replace(constraint, after_ids=server.reasoning_end_ids)
+    reasoning, in_reasoning = _reasoning(server, ids)
+    if constraint is not None and reasoning is not None and in_reasoning:  # the answer, after the thinking
+        constraint = dataclasses.replace(constraint, after=reasoning.end)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(
@@ -131,7 +152,7 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     )
     if plan.parser is not None and plan.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers are special tokens
-    return ChatRun(rid or f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ids, params, plan, in_reasoning)
+    return ChatRun(rid or f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ids, params, plan, in_reasoning, reasoning)
 
 
 async def create_chat_completion(server: Server, request: Request, req: ChatCompletionRequest) -> Response:
@@ -145,11 +166,10 @@ async def create_chat_completion(server: Server, request: Request, req: ChatComp
     return JSONResponse(_body(server, run, req, finals[0]))
 
 
-def chat_message(
-    server: Server, plan: ToolPlan, in_reasoning: bool, text: str, finish_reason: str | None
-) -> tuple[dict[str, Any], str | None]:
+def chat_message(run: ChatRun, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """A whole choice's message (content, tool_calls, reasoning_content) and its finish reason."""
-    reasoning, content = server.reasoning.split(text, in_reasoning=in_reasoning) if server.reasoning else (None, text)
+    plan = run.plan
+    reasoning, content = run.reasoning.split(text, in_reasoning=run.in_reasoning) if run.reasoning else (None, text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -160,7 +180,7 @@ def chat_message(
             message["tool_calls"] = [call_json(c, i, call_id()) for i, c in enumerate(parsed.tool_calls)]
             for c in message["tool_calls"]:
                 del c["index"]
-            if finish_reason == "stop":
+            if finish_reason == "stop" and plan.mode != "named":  # a forced function: "stop", as OpenAI says
                 finish_reason = "tool_calls"
     return message, finish_reason
 
@@ -168,7 +188,7 @@ def chat_message(
 def _body(server: Server, run: ChatRun, req: ChatCompletionRequest, out: RequestOutput) -> dict[str, Any]:
     choices = []
     for o in out.outputs:
-        message, finish_reason = chat_message(server, run.plan, run.in_reasoning, o.text, o.finish_reason)
+        message, finish_reason = chat_message(run, o.text, o.finish_reason)
         choice: dict[str, Any] = {
             "index": o.index,
             "message": message,
@@ -244,7 +264,7 @@ async def choice_deltas(
         for o in out.outputs:
             state = streams.get(o.index)
             if state is None:
-                reasoning = server.reasoning.stream(in_reasoning=run.in_reasoning) if server.reasoning else None
+                reasoning = run.reasoning.stream(in_reasoning=run.in_reasoning) if run.reasoning else None
                 state = streams[o.index] = _ChoiceStream(ToolDeltaStream(run.plan), reasoning)
                 yield ChoiceDelta(out, o.index, True, [], [])
             text, new_lp = o.text[state.chars :], (o.logprobs or [])[state.logprobs :]
@@ -257,7 +277,7 @@ async def choice_deltas(
                     continue  # text held back (a tool call or a marker being read): nothing to send yet
                 deltas = [{}]
             finish_reason = o.finish_reason
-            if finish_reason == "stop" and state.tools.calls:
+            if finish_reason == "stop" and state.tools.calls and run.plan.mode != "named":
                 finish_reason = "tool_calls"
             yield ChoiceDelta(out, o.index, False, deltas, new_lp, finish_reason, o.stop_reason)
 

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from cpuserve.engine import SamplingParams
+from cpuserve.engine import InvalidRequest, SamplingParams
 from cpuserve.server import streaming
 from cpuserve.server.errors import APIError
 from cpuserve.server.state import Server
@@ -33,6 +33,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the last N tokens of each input (-1: max_model_len)
 
 
 def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
@@ -73,11 +74,23 @@ async def create_embedding(server: Server, request: Request, req: EmbeddingReque
     pooling = server.engine.pooling
     rid = f"embd-{uuid.uuid4().hex}"
     jobs: list[streaming.Job] = []
+    keep_tokens = req.truncate_prompt_tokens
+    if keep_tokens is not None and (keep_tokens == 0 or keep_tokens < -1):
+        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    if keep_tokens == -1:
+        keep_tokens = server.engine.max_model_len
     for i, text in enumerate(inputs):
         ids = await server.tokens.encode(text) if isinstance(text, str) else text
+        if keep_tokens is not None:
+            ids = ids[-keep_tokens:]
         params = SamplingParams(max_tokens=0, pooling=pooling.mode, normalize=pooling.normalize)
         jobs.append((f"{rid}-{i}", ids, params))
-    finals = await streaming.collect(server, request, jobs)
+    try:
+        finals = await streaming.collect(server, request, jobs)
+    except InvalidRequest as exc:  # the engine says "prompt"; this API calls it "input"
+        if exc.param != "prompt":
+            raise
+        raise APIError(400, "input" + str(exc)[len("prompt") :], param="input") from None
     if finals is None:
         return Response(status_code=499)
     data: list[dict[str, Any]] = []

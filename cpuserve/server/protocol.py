@@ -74,8 +74,8 @@ class SamplingFields(BaseModel):
         max_tokens: int,
         constraint: StructuredOutputs | None = None,
     ) -> SamplingParams:
-        """The engine's parameters: request values, else `defaults` (the model's generation_config and
-        serve --seed), else OpenAI's.
+        """The engine's parameters: request values, else `defaults` (the model's generation_config),
+        else OpenAI's.
         `constraint`: the output constraint the caller worked out (request_constraint's, or a tool choice's)."""
 
         def pick(name: str, fallback: Any) -> Any:
@@ -85,6 +85,8 @@ class SamplingFields(BaseModel):
             return defaults.get(name) if defaults.get(name) is not None else fallback
 
         self.refuse_unhonoured()
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequest("stream_options", "continuous_usage_stats is not supported; include_usage is")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
@@ -104,7 +106,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=bias,
-            seed=pick("seed", None),  # the request's, else serve --seed's
+            seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
@@ -118,6 +120,13 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    def refuse_unhonoured(self) -> None:
+        super().refuse_unhonoured()
+        given = self.given()
+        for name in ("tools", "tool_choice"):  # chat's; a completion has no messages to call from
+            if given.get(name) not in (None, [], "none"):
+                raise InvalidRequest(name, "is a chat completions parameter; completions do not call tools")
+
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None

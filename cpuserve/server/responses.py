@@ -157,7 +157,7 @@ async def serve_run(
     if finals is None:
         return Response(status_code=499)
     o = finals[0].outputs[0]
-    message, finish = chat_message(server, run.plan, run.in_reasoning, o.text, o.finish_reason)
+    message, finish = chat_message(run, o.text, o.finish_reason)
     blocks = message_blocks(message, finish == "length")
     return JSONResponse(body(Outcome(blocks, finish, o.stop_reason, len(o.token_ids))))
 

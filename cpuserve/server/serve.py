@@ -99,7 +99,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="access lines carry the prompt's first 200 characters (as the model sees it: the rendered template)",
     )
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of the generator unseeded requests draw from (a reproducible run)"
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -206,6 +208,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         block_size=args.block_size,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
     )
     engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
     engine.grammars.prepare_in_background()  # structured outputs' token trie, off the first request's path
@@ -225,7 +228,6 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
-            seed=args.seed,
             log_requests=not args.disable_log_requests,
             log_prompts=args.log_prompts,
             log_stats=not args.disable_log_stats,

@@ -29,14 +29,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser name
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser name
-    seed: int | None = None  # --seed: the seed of requests that give none (joins sampling_defaults)
     log_requests: bool = True  # an access line per API request (off: --disable-log-requests)
     log_prompts: bool = False  # --log-prompts: access lines carry the prompt's first 200 characters
     log_stats: bool = True  # engine stats lines every 10 s while busy (off: --disable-log-stats)
-
-    def __post_init__(self) -> None:
-        if self.seed is not None:  # a copy: the caller's dict is left as it was
-            self.sampling_defaults = {**self.sampling_defaults, "seed": self.seed}
 
 
 class Server:
@@ -51,9 +46,6 @@ class Server:
         self.draining = False  # set on SIGTERM/SIGINT: running requests finish, new ones get 503
         self.tool_parser = get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
         self.reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
-        # The tokens that end reasoning: an output constraint starts after them.
-        end = self.reasoning.end if self.reasoning else None
-        self.reasoning_end_ids = tuple(self.tokenizer.encode(end, add_special_tokens=False)) if end else ()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.served_model_names:

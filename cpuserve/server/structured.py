@@ -19,6 +19,7 @@ from cpuserve.engine import InvalidRequest, StructuredOutputs
 CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 HONOURED_OPTIONS = {"disable_any_whitespace", "disable_fallback", "backend", "disable_additional_properties"}
 BACKENDS = (None, "auto", "guidance", "llguidance")
+VALUES = ("const", "enum", "default", "examples")
 NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -104,7 +105,9 @@ def close_objects(schema: Any) -> Any:
         return schema
     out = {}
     for key, value in schema.items():
-        if key in NAMED_SCHEMAS and isinstance(value, dict):  # name -> schema: the names are not keywords
+        if key in VALUES:  # instances, not schemas: left as they are
+            out[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):  # name -> schema: the names are not keywords
             out[key] = {name: close_objects(sub) for name, sub in value.items()}
         else:
             out[key] = close_objects(value)

@@ -61,6 +61,13 @@ def plan_tools(
     if tool_choice == "none":
         return ToolPlan("none", tools=tools)
     if tool_choice == "auto":
+        strict = next((t["function"]["name"] for t in tools if t["function"].get("strict") is True), None)
+        if strict is not None:
+            raise InvalidRequest(
+                "tools",
+                f'function {strict!r} is strict, which tool_choice "auto" cannot honour (the model writes calls '
+                'freely); use tool_choice "required" or a named function, which hold the arguments to the schema',
+            )
         if not auto_enabled or parser is None:
             raise InvalidRequest(
                 "tool_choice",
@@ -123,17 +130,27 @@ def read_calls(plan: ToolPlan, text: str) -> ParsedOutput:
 
 
 def _named(plan: ToolPlan, text: str) -> ParsedOutput:
+    """The grammar made the text the function's arguments; text that is not an object (cut by
+    max_tokens) is no call, and stays the content as it stands."""
     try:
-        json.loads(text)
-    except json.JSONDecodeError:  # cut by max_tokens: no call, the text as it stands
+        arguments = json.loads(text)
+    except json.JSONDecodeError:
+        return ParsedOutput(text, [])
+    if not isinstance(arguments, dict):
         return ParsedOutput(text, [])
     return ParsedOutput(None, [ToolCall(str(plan.function), text)])
 
 
 def _required(text: str) -> ParsedOutput:
+    """The grammar made the text a list of {name, parameters}; anything else is no call."""
     try:
         calls = json.loads(text)
     except json.JSONDecodeError:
+        return ParsedOutput(text, [])
+    well_formed = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict) for c in calls
+    )
+    if not well_formed or not calls:
         return ParsedOutput(text, [])
     return ParsedOutput(None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls])
 

@@ -31,11 +31,14 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class CompiledGrammar:
     """A grammar ready to constrain sequences: each gets its own matcher (a copy of this one)."""
 
-    def __init__(self, spec: StructuredOutputs, matcher: LLMatcher) -> None:
-        self.spec, self._matcher = spec, matcher
+    def __init__(self, spec: StructuredOutputs, matcher: LLMatcher, tokenizer: LLTokenizer) -> None:
+        self.spec, self._matcher, self._tokenizer = spec, matcher, tokenizer
 
     def new_state(self) -> GrammarState:
-        return GrammarState(self._matcher.deep_copy(), self.spec.after_ids)
+        return GrammarState(self._matcher.deep_copy(), self.spec.after.encode(), self._token_bytes)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self._tokenizer.decode_bytes([token])
 
 
 class GrammarCompiler:
@@ -72,7 +75,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(spec.param, f"the {spec.kind} constraint does not compile: {matcher.get_error()}")
-        compiled = CompiledGrammar(spec, matcher)
+        compiled = CompiledGrammar(spec, matcher, self.tokenizer)
         with self._lock:
             self.compiled += 1
             self._cache[spec] = compiled
@@ -93,7 +96,7 @@ class GrammarCompiler:
             if spec.kind == "grammar":
                 return llguidance.grammar_from("grammar", str(spec.value))
             return _structural_tag_grammar(json.loads(str(spec.value)))
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise InvalidRequest(spec.param, f"the {spec.kind} constraint is malformed: {exc}") from None
 
 
@@ -106,6 +109,8 @@ def _structural_tag_grammar(tag: dict) -> str:
         raise ValueError("a structural tag needs non-empty 'structures' and 'triggers' lists")
     tags = []
     for s in structures:
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise ValueError("each structure needs string 'begin' and 'end'")
         begin = s["begin"]
         trigger = next((t for t in triggers if isinstance(t, str) and t and begin.startswith(t)), None)
         if trigger is None:

@@ -25,6 +25,14 @@ def unpack_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.unpackbits(little.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
 
 
+def _error(state: GrammarState) -> Exception | None:
+    try:
+        state.check()
+    except Exception as exc:
+        return exc
+    return None
+
+
 class MaskComputer:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -32,9 +40,9 @@ class MaskComputer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpuserve-grammar")
         self._executor = LLExecutor(num_threads=1)
 
-    def start(self, states: list[GrammarState]) -> Future[torch.Tensor]:
+    def start(self, states: list[GrammarState]) -> Future:  # type: ignore[type-arg]
         """Begin computing the masks of `states` (all active); the future gives bool [len(states), V],
-        True where a token is forbidden."""
+        True where a token is forbidden (or, when a grammar is in error, one row or error per state)."""
         return self._pool.submit(self._compute, list(states))
 
     def compute(self, states: list[GrammarState]) -> torch.Tensor:
@@ -46,7 +54,9 @@ class MaskComputer:
         self._executor.unsafe_compute_mask_ptr(
             [(s.matcher, i) for i, s in enumerate(states)], bits.ctypes.data, self.words * 4, len(states)
         )
-        return torch.from_numpy(~unpack_bitmask(bits, self.vocab_size))
+        forbidden = torch.from_numpy(~unpack_bitmask(bits, self.vocab_size))
+        errors = {i: exc for i, s in enumerate(states) if (exc := _error(s)) is not None}
+        return forbidden if not errors else [errors.get(i, forbidden[i]) for i in range(len(states))]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -15,13 +15,14 @@ KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 class StructuredOutputs:
     """One constraint. `json` is a schema as canonical JSON text (`{"type": "object"}` for any JSON
     object); `choice` the allowed strings; `grammar` EBNF/GBNF or Lark text; `structural_tag`
-    vLLM's structural-tag object as canonical JSON text. `after_ids`: the constraint starts only
-    once the output ends with these tokens (a reasoning end marker) and holds from there on.
+    vLLM's structural-tag object as canonical JSON text. `after`: the constraint starts only once
+    the output's text contains this marker (a reasoning end marker, however the model spelled it
+    in tokens) and holds from the next token on.
     `param` names the request field it came from, for errors (not part of the cache key)."""
 
     kind: str
     value: str | tuple[str, ...]
-    after_ids: tuple[int, ...] = ()
+    after: str = ""
     param: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
