@@ -6,6 +6,7 @@ transformers: the same results for these files at a fraction of the import time.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -67,6 +68,24 @@ class _GenerationTag(Extension):
 
     def _body(self, caller: Any) -> str:
         return caller()
+
+
+@functools.lru_cache(maxsize=64)
+def _loops_over_content(source: str) -> bool:
+    try:
+        ast = _template_environment().parse(source)
+    except TemplateError:
+        return False  # rendering will say what is wrong
+    return any(_is_content(loop.iter) for loop in ast.find_all(nodes.For))
+
+
+def _is_content(node: Any) -> bool:
+    """`x['content']` or `x.content` (possibly filtered): what a template iterates over to read parts."""
+    while isinstance(node, nodes.Filter | nodes.Test) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Getattr) and node.attr == "content"
 
 
 def _first_failing(render: Any, messages: list[dict[str, Any]]) -> int | None:
@@ -246,6 +265,13 @@ class Tokenizer:
             index = _first_failing(render, messages)
             which = f" on message {index}" if index is not None else ""
             raise ChatTemplateError(f"chat template failed{which}{where}: {type(exc).__name__}: {exc}") from None
+
+    def takes_content_parts(self, template: str | None = None) -> bool:
+        """Whether the template loops over a message's content (so it takes a list of content parts
+        as sent, as transformers passes them) rather than printing it (then text parts are joined
+        into one string first, as vLLM does for such templates)."""
+        source = template or self.chat_template
+        return bool(source) and _loops_over_content(source)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens itself, so none are added on top.

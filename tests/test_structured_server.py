@@ -430,3 +430,22 @@ def test_strict_schemas_close_objects_but_never_rewrite_values():
         and closed["properties"]["d"] == schema["properties"]["d"]
     )
     assert closed["default"] == {"properties": {}}
+
+
+def test_content_parts_render_as_transformers_renders_them(server, smol_dir):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(smol_dir)
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}<{{ p.text }}>{% endfor %}"
+        "{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    r = httpx.post(
+        f"{server}/tokenize",
+        json={"messages": messages, "chat_template": template},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    expected = reference.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert "<Hello><there>" in expected
+    assert r.json()["tokens"] == reference(expected, add_special_tokens=False)["input_ids"]

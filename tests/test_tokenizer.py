@@ -83,3 +83,11 @@ def test_chat_templates_render_as_transformers_renders_them(ours):
     tool_turn = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]
     rendered = ours.apply_chat_template(tool_turn, template="{{ messages[0].content is none }}")
     assert rendered == "True"
+
+
+def test_content_parts_reach_templates_that_loop_over_them(ours):
+    looping = "{% for m in messages %}{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}"
+    assert ours.takes_content_parts(looping)
+    assert ours.takes_content_parts("{% for m in messages %}{% for p in m.content | list %}{% endfor %}{% endfor %}")
+    assert not ours.takes_content_parts("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert not ours.takes_content_parts()  # SmolLM2's own template prints the content

@@ -34,14 +34,18 @@ from cpuserve.tokenizer import ChatTemplateError
 async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     """The prompt token ids of a chat request (also what /tokenize answers for messages). The
     template gets each message as the client sent it (a `null` or absent content stays so, as
-    transformers passes it), with text parts joined, and the request's tools. A tool call's
+    transformers passes it), content parts as sent to a template that loops over them and joined
+    into one string for one that prints the content, and the request's tools. A tool call's
     `arguments`, JSON text in the OpenAI API, reach the template as the object they encode (as vLLM
     passes them, and as transformers' templates expect: `arguments | tojson`)."""
+    template = req.chat_template or server.config.chat_template
+    parts = server.tokenizer.takes_content_parts(template)
     messages = []
     for m in req.messages:
         msg = m.model_dump(exclude_unset=True)
         if isinstance(m.content, list):
-            msg["content"] = join_text(m.content, "messages")
+            text = join_text(m.content, "messages")  # checks every part is text
+            msg["content"] = m.content if parts else text
         if isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = [_decoded_arguments(call) for call in msg["tool_calls"]]
         messages.append(msg)
@@ -52,7 +56,7 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
         return await server.tokens.encode_chat(
             messages,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            template=req.chat_template or server.config.chat_template,
+            template=template,
             template_kwargs=kwargs,
         )
     except ChatTemplateError as exc:
