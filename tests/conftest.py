@@ -45,7 +45,14 @@ def our_smol(smol_dir: Path):
 # Tests that need the real bundled model (or start a server, or run kernels under qemu) are slow:
 # `pytest -m "not slow"` is the fast subset a developer runs on every change.
 _SLOW_FIXTURES = {"smol_dir", "our_smol", "hf_smol", "cache_dir"}
-_SLOW_MODULES = {"test_arm_kernels", "test_api_fuzz", "test_server", "test_server_faults", "test_server_limits"}
+_SLOW_MODULES = {
+    "test_arm_kernels",
+    "test_wheel",
+    "test_api_fuzz",
+    "test_server",
+    "test_server_faults",
+    "test_server_limits",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -23,13 +23,29 @@ log = logging.getLogger(__name__)
 
 @cache
 def native() -> ModuleType | None:
-    from cpuserve.kernels.build import built_library
+    from cpuserve.kernels.build import build, built_library, compiler, other_builds
 
     path = built_library()
+    if path is None and other_builds():
+        # A wheel's kernels for another torch (or other sources): say so, and build them for this
+        # one only when a compiler is there (about a minute, once).
+        _, meta = other_builds()[0]
+        import torch
+
+        was = f"torch {meta.get('torch', '?')} on {meta.get('machine', '?')}"
+        if compiler() is None:
+            log.warning(
+                "native kernels were built for %s, not torch %s; no C++ compiler here: pure-torch reference path",
+                was,
+                torch.__version__,
+            )
+            return None
+        log.warning("native kernels were built for %s, not torch %s: building them now", was, torch.__version__)
+        path = build()
     if path is None:
         log.warning("native kernels are not built (run ./run setup); using the pure-torch reference path")
         return None
-    import torch  # noqa: F401  (the extension needs torch's symbols loaded first)
+    import torch
 
     loader = importlib.machinery.ExtensionFileLoader(path.stem, str(path))
     spec = importlib.util.spec_from_file_location(path.stem, path, loader=loader)

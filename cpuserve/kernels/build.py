@@ -5,6 +5,7 @@ library lives next to this file: nothing depends on an absolute path."""
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ assert len({p.name for p in CORE}) == len(CORE), "csrc/: two .cpp files share a 
 # No fused multiply-add contraction of scalar code: the twins' float order is part of the contract.
 CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"]
 BUILD_DIR = HERE / "_build"
+BUILT_FOR = "built_for.json"  # next to each library: the torch version and machine it was built for
 
 
 def _key() -> str:
@@ -68,7 +70,34 @@ def build(verbose: bool = False) -> Path:
     path = built_library()
     if path is None:
         raise RuntimeError(f"the kernel build produced no library in {out}")
+    (out / BUILT_FOR).write_text(json.dumps(built_for()))
     return path
+
+
+def built_for() -> dict[str, str]:
+    import importlib.metadata
+    import platform
+
+    return {"torch": importlib.metadata.version("torch"), "machine": platform.machine()}
+
+
+def other_builds() -> list[tuple[Path, dict[str, str]]]:
+    """Libraries built for other sources, another torch or another machine (a wheel built elsewhere):
+    each with what it says it was built for."""
+    found = []
+    for lib in sorted(BUILD_DIR.glob("cpuserve_kernels_*/cpuserve_kernels_*.so")):
+        if lib.parent.name != library_name():
+            meta = lib.parent / BUILT_FOR
+            found.append((lib, json.loads(meta.read_text()) if meta.is_file() else {}))
+    return found
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension build would use, if there is one."""
+    import os
+    import shutil
+
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 if __name__ == "__main__":
