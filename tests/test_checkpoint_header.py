@@ -76,3 +76,20 @@ def test_a_header_length_past_the_file_is_refused(tmp_path):
     path.write_bytes(struct.pack("<Q", 10**6) + b"{}")
     with pytest.raises(CheckpointError, match="the header length is out of range"):
         read_header(path)
+
+
+def test_written_checkpoints_are_readable_by_others_as_the_umask_allows(tmp_path):
+    import os
+
+    import torch
+
+    from cpuserve.model.checkpoint import ShardWriter
+
+    old = os.umask(0o022)
+    try:
+        writer = ShardWriter(tmp_path)
+        writer.add("w", torch.zeros(4))
+        writer.finish()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644  # safetensors alone makes 0600

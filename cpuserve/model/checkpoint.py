@@ -192,6 +192,12 @@ class SafetensorsCheckpoint:
         self.close()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class ShardWriter:
     """Writes tensors as HF safetensors shards (a new file past `shard_bytes`), with the index
     file when there is more than one; tensors are released as each shard is written."""
@@ -213,7 +219,11 @@ class ShardWriter:
 
     def _flush(self) -> None:
         index = len(self._files) + 1
-        save_file(self._pending, str(self.out / f"part-{index}.safetensors"), metadata={"format": "pt"})
+        path = self.out / f"part-{index}.safetensors"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        # safetensors creates the file owner-only (0600); a checkpoint is as readable as any file the
+        # user writes (the umask decides), so a container's non-root user can read a mounted model.
+        path.chmod(0o666 & ~_umask())
         self._files.append(list(self._pending))
         self._pending, self._size = {}, 0
 
