@@ -70,6 +70,14 @@ class _GenerationTag(Extension):
         return caller()
 
 
+def _joined(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return {**message, "content": text}
+
+
 @functools.lru_cache(maxsize=64)
 def _loops_over_content(source: str) -> bool:
     try:
@@ -225,10 +233,14 @@ class Tokenizer:
         template: str | None = None,
         **extra: Any,
     ) -> str:
-        """Render messages to the prompt text the model was trained on (or with `template`)."""
+        """Render messages to the prompt text the model was trained on (or with `template`). Content
+        given as a list of text parts reaches a template that loops over it as it is, and one that
+        prints it joined into one string (see takes_content_parts)."""
         source = template or self.chat_template
         if source is None:
             raise ChatTemplateError("this model has no chat template; use a plain prompt or --chat-template")
+        if not _loops_over_content(source):
+            messages = [_joined(m) for m in messages]
         compiled = self._compiled.get(source)
         if compiled is None:
             env = _template_environment()

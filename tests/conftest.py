@@ -47,6 +47,7 @@ def our_smol(smol_dir: Path):
 _SLOW_FIXTURES = {"smol_dir", "our_smol", "hf_smol", "cache_dir"}
 _SLOW_MODULES = {
     "test_arm_kernels",
+    "test_container",
     "test_wheel",
     "test_api_fuzz",
     "test_server",

@@ -39,13 +39,11 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     `arguments`, JSON text in the OpenAI API, reach the template as the object they encode (as vLLM
     passes them, and as transformers' templates expect: `arguments | tojson`)."""
     template = req.chat_template or server.config.chat_template
-    parts = server.tokenizer.takes_content_parts(template)
     messages = []
     for m in req.messages:
         msg = m.model_dump(exclude_unset=True)
         if isinstance(m.content, list):
-            text = join_text(m.content, "messages")  # checks every part is text
-            msg["content"] = m.content if parts else text
+            join_text(m.content, "messages")  # every part must be text; the tokenizer joins them if need be
         if isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = [_decoded_arguments(call) for call in msg["tool_calls"]]
         messages.append(msg)
