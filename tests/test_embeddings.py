@@ -11,11 +11,11 @@ import httpx
 import pytest
 import torch
 
-from cpuserve.bench.server_process import running_server
 from cpuserve.engine import SamplingParams
 from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
 from cpuserve.engine.pooling import PoolingConfig
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
+from tests.smol_server import smol_server
 
 openai = pytest.importorskip("openai")
 
@@ -80,9 +80,7 @@ def test_pooling_comes_from_the_sentence_transformers_config(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(smol_dir, cache_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = [str(smol_dir), "--dtype", "float32", "--served-model-name", "smol", "--max-model-len", "2048"]
-    with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}, log) as base:
+    with smol_server(smol_dir, cache_dir, tmp_path_factory.mktemp("server") / "server.log", max_num_seqs=16) as base:
         yield base
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cpuserve.bench.server_process import running_server
+from tests.smol_server import smol_server
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -34,11 +34,8 @@ CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k 
 
 @contextlib.contextmanager
 def bundled_server(smol_dir: Path, cache_dir: Path, log: Path, key: str) -> Iterator[str]:
-    """A server of the bundled model in float32 (greedy answers comparable across routes) under `key`;
-    its log must hold no traceback afterwards. The Messages API tests start theirs with it too."""
-    args = [str(smol_dir), "--dtype", "float32", "--api-key", key, "--served-model-name", MODEL]
-    args += ["--max-model-len", "2048", "--max-num-seqs", "8"]
-    with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}, log) as base:
+    """smol_server under `key`; its log must hold no traceback afterwards (the Messages API tests use it too)."""
+    with smol_server(smol_dir, cache_dir, log, key=key) as base:
         yield base
     assert "Traceback" not in log.read_text()
 

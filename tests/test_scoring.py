@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from cpuserve.bench.server_process import running_server
+from tests.smol_server import smol_server
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -60,9 +60,7 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def server(smol_dir, cache_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = [str(smol_dir), "--dtype", "float32", "--served-model-name", "smol", "--max-model-len", "2048"]
-    with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}, log) as base:
+    with smol_server(smol_dir, cache_dir, tmp_path_factory.mktemp("server") / "server.log", max_num_seqs=16) as base:
         yield base
 
 

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from cpuserve.bench.server_process import running_server
+from tests.smol_server import smol_server
 from tests.test_structured_engine import SCHEMAS
 
 openai = pytest.importorskip("openai")
@@ -60,9 +60,7 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 def _start(smol_dir, cache_dir, tmp_path_factory, *flags: str):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    args = [str(smol_dir), "--dtype", "float32", "--api-key", KEY, "--served-model-name", MODEL]
-    args += ["--max-model-len", "2048", "--max-num-seqs", "16", *flags]
-    return running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}, log)
+    return smol_server(smol_dir, cache_dir, log, *flags, key=KEY, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")

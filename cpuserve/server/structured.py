@@ -118,28 +118,20 @@ def close_objects(schema: Any) -> Any:
 
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutputs:
     """One constraint, its value checked for shape (the grammar engine checks the rest)."""
-    if kind == "json":
+    if kind in ("json", "structural_tag"):
+        what = "the JSON schema" if kind == "json" else "the structural tag"
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise InvalidRequest(param, f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(value, dict | bool):
-            raise InvalidRequest(param, "the JSON schema must be an object")
-        return StructuredOutputs("json", StructuredOutputs.canonical_json(value), param=param)
+                raise InvalidRequest(param, f"{what} is not valid JSON: {exc}") from None
+        if not isinstance(value, dict | bool) or (kind == "structural_tag" and isinstance(value, bool)):
+            raise InvalidRequest(param, f"{what} must be an object")
+        return StructuredOutputs(kind, StructuredOutputs.canonical_json(value), param=param)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise InvalidRequest(param, "choice must be a non-empty list of strings")
         return StructuredOutputs("choice", tuple(value), param=param)
-    if kind == "structural_tag":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(param, f"the structural tag is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise InvalidRequest(param, "the structural tag must be an object")
-        return StructuredOutputs("structural_tag", StructuredOutputs.canonical_json(value), param=param)
     if not isinstance(value, str) or not value:
         raise InvalidRequest(param, f"the {kind} must be a non-empty string")
     return StructuredOutputs(kind, value, param=param)
