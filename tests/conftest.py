@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpuserve.model.resolve import resolve_model
+from cpuserve.model.resolve import converted_bundled
 
 torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -22,7 +22,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smol_dir(cache_dir: Path) -> Path:
     """The bundled SmolLM2-135M-Instruct as an HF directory (converted by our converter)."""
-    return resolve_model(None, str(cache_dir))
+    return converted_bundled(str(cache_dir))
 
 
 @pytest.fixture(scope="session")

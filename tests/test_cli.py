@@ -28,15 +28,18 @@ def test_bundled_model_answers_the_readme_question(cache_dir, smol_dir):
     assert "tok/s" in proc.stderr
 
 
-def test_gguf_argument_is_converted_once_into_the_cache(tmp_path):
+def test_gguf_argument_is_served_from_the_file(tmp_path):
+    """A GGUF is not converted: its config and tokenizer are read once into a small cache
+    directory, its weights stay in the file."""
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_llama(gguf_path)
     args = ["generate", str(gguf_path), "--cache-dir", str(tmp_path / "cache"), "--prompt", "the", "--max-tokens", "4"]
     first = _run(args)
     assert first.returncode == 0, first.stderr
-    assert "converting" in first.stderr
+    assert "metadata once" in first.stderr and "converting" not in first.stderr
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
     second = _run(args)
-    assert second.returncode == 0 and "converting" not in second.stderr
+    assert second.returncode == 0 and "metadata once" not in second.stderr
     assert first.stdout == second.stdout  # greedy: same text both times
 
 

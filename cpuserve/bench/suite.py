@@ -41,10 +41,10 @@ def prepare(work: Path, model: str) -> None:
     """Create whatever is missing: the bf16 source, the cpuserve checkpoints, the GGUFs."""
     from cpuserve.bench.gguf_export import export_gguf
     from cpuserve.bench.make_model import make_model
-    from cpuserve.model.resolve import bundled_gguf, resolve_model
+    from cpuserve.model.resolve import bundled_gguf, resolve_hf_model
     from cpuserve.offline.quantize import quantize_checkpoint
 
-    bundled = resolve_model(None)
+    bundled = resolve_hf_model(None)
     if model == "smol":
         source = bundled
     else:

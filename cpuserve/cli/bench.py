@@ -174,9 +174,9 @@ def cmd_bench_perplexity(args: argparse.Namespace) -> int:
 
 def cmd_bench_export_gguf(args: argparse.Namespace) -> int:
     from cpuserve.bench.gguf_export import export_gguf
-    from cpuserve.model.resolve import bundled_gguf, resolve_model
+    from cpuserve.model.resolve import bundled_gguf, resolve_hf_model
 
-    src = resolve_model(args.model, args.cache_dir)
+    src = resolve_hf_model(args.model, args.cache_dir)
     export_gguf(src, Path(args.out), args.type, Path(args.tokenizer_gguf) if args.tokenizer_gguf else bundled_gguf())
     log.info("wrote %s", args.out)
     return 0

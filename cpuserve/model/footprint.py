@@ -34,9 +34,10 @@ def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch
             count = int(torch.Size(ckpt.shape(n)).numel())
             stored = ckpt.stored_dtype(n)
             if stored in FLOAT_DTYPES:
-                weight_bytes += count * (4 if n.endswith("weight_scale") else elem)
-                native_bytes += count * (4 if n.endswith("weight_scale") else elem)
-                params += 0 if n.endswith("weight_scale") else count
+                per_group = n.endswith(("weight_scale", "weight_offset"))  # fp32 per group, not parameters
+                weight_bytes += count * (4 if per_group else elem)
+                native_bytes += count * (4 if per_group else elem)
+                params += 0 if per_group else count
             elif not n.endswith("weight_shape"):  # int8 values, or int32 words of packed values
                 weight_bytes += count * INT_BYTES.get(stored, 1)
                 quant = qc.scheme_for(n.rsplit(".", 1)[0]) if qc else None
@@ -50,7 +51,8 @@ def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch
     facts = {
         "path": str(model_dir),
         "architecture": spec.architecture,
-        "format": f"HF safetensors ({len(files)} file{'s' * (len(files) > 1)}, stored as {', '.join(dtypes)})",
+        "format": getattr(ckpt, "format_description", None)
+        or f"HF safetensors ({len(files)} file{'s' * (len(files) > 1)}, stored as {', '.join(dtypes)})",
         "scheme": _scheme(qc, compute),
         "layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
@@ -96,7 +98,7 @@ def _scheme(qc: QuantConfig | None, compute: torch.dtype) -> str:
     if qc is None:
         return f"unquantized, computed in {dense}"
     names = sorted({g.weight.name for g in qc.groups})
-    return f"compressed-tensors {', '.join(names)}, int8 per-token activations; the rest in {dense}"
+    return f"{qc.label} {', '.join(names)}, int8 per-token activations; the rest in {dense}"
 
 
 def _float_op_kernels(spec: ModelSpec) -> dict[str, str]:

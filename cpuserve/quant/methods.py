@@ -130,13 +130,15 @@ class DenseMethod:
 
 @dataclass(frozen=True)
 class IntWeightMethod:
-    """W8A8 (int8 per output channel) and W4A8 (int4 per group), int8 per-token activations.
+    """W8A8 (int8 per output channel or per group) and W4A8 (int4 per group), int8 per-token
+    activations, optionally with a per-group offset (w = s * q + offset; GGUF's formats with a
+    minimum, read through model/gguf_source.py).
 
     From the checkpoint: `weight` int8 [N, K] (int-quantized) or `weight_packed` int32 words plus
-    `weight_shape` (pack-quantized), and `weight_scale` [N, G]. After processing, on a kernel:
-    `packed` in the kernel's layout (`packed_layout`) and, for int4, `kernel_scales` in its order;
-    W8A8 on a kernel whose layout is the int8 rows themselves keeps `qweight`. Without a kernel:
-    `qweight` int8 [N, K] for the reference forward."""
+    `weight_shape` (pack-quantized), `weight_scale` [N, G] and, with offsets, `weight_offset` [N, G].
+    After processing, on a kernel: `packed` in the kernel's layout (`packed_layout`) and, for int4
+    and grouped int8, `kernel_scales` in its order; W8A8 on a kernel whose layout is the int8 rows
+    themselves keeps `qweight`. Without a kernel: `qweight` int8 [N, K] for the reference forward."""
 
     quant: WeightQuant
     dtype: torch.dtype
@@ -154,10 +156,14 @@ class IntWeightMethod:
         layer.register_buffer("qweight", None if self.quant.packed else torch.empty(n, k, dtype=torch.int8))
         layer.register_buffer("weight_words", torch.empty(n, words, dtype=torch.int32) if self.quant.packed else None)
         layer.register_buffer("scales", torch.empty(n, self.groups(k), dtype=torch.float32))
+        offsets = torch.empty(n, self.groups(k), dtype=torch.float32) if self.quant.offsets else None
+        layer.register_buffer("offsets", offsets)
         layer.packed, layer.packed_layout, layer.kernel_scales, layer.kernel = None, "none", None, None
 
     def checkpoint_tensors(self, prefix: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
         shapes = {f"{prefix}.weight_scale": (n, self.groups(k))}
+        if self.quant.offsets:
+            shapes[f"{prefix}.weight_offset"] = (n, self.groups(k))
         if self.quant.packed:
             shapes[f"{prefix}.weight_packed"] = (n, -(-k * self.quant.bits // 32))
             shapes[f"{prefix}.weight_shape"] = (2,)
@@ -202,6 +208,12 @@ class IntWeightMethod:
                 )
             _real(layer, "qweight", layer.qweight.shape, torch.int8)[rows] = q
         _real(layer, "scales", layer.scales.shape, torch.float32)[rows] = scale
+        if quant.offsets:
+            offset = get("weight_offset", (torch.float32,))
+            if not torch.isfinite(offset).all():
+                name = f"{prefix}.weight_offset"
+                raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has non-finite offsets")
+            _real(layer, "offsets", layer.offsets.shape, torch.float32)[rows] = offset
 
     def set_weights(self, layer: Any, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         """Int8 values and scales made in memory (the output head quantized at load), in place of
@@ -210,6 +222,8 @@ class IntWeightMethod:
 
     def fits(self, k: int) -> bool:
         group = self.quant.group_size or k
+        if self.quant.bits == 8 and self.quant.group_size:  # int8 groups: whole quads (Q6_K's 16)
+            return group % 4 == 0 and k % group == 0
         return k % 32 == 0 and group % 32 == 0
 
     def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
@@ -236,6 +250,8 @@ class IntWeightMethod:
             layer.packed_layout = mod.int8_layout(variant)
             if layer.packed_layout != "signed":  # "signed": the int8 rows as they are
                 layer.packed, layer.qweight = mod.pack_int8(layer.qweight, variant), None
+            if self.quant.group_size:
+                layer.kernel_scales = mod.pack_scales(layer.scales, variant)
         layer.kernel = kernel
 
     def int_weight(self, layer: Any) -> torch.Tensor:
@@ -251,19 +267,27 @@ class IntWeightMethod:
     def dequantized_weight(self, layer: Any) -> torch.Tensor:
         n, k = layer.out_features, layer.in_features
         g = k // layer.scales.shape[1]
-        return (self.int_weight(layer).float().view(n, -1, g) * layer.scales.unsqueeze(-1)).view(n, k)
+        w = self.int_weight(layer).float().view(n, -1, g) * layer.scales.unsqueeze(-1)
+        if layer.offsets is not None:
+            w = w + layer.offsets.unsqueeze(-1)
+        return w.view(n, k)
+
+    def _int8_kernel_scales(self, layer: Any) -> torch.Tensor:
+        return layer.kernel_scales if layer.kernel_scales is not None else layer.scales.view(-1)
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         kernel = layer.kernel
         if kernel is None:
-            return reference_forward(x, self.int_weight(layer), layer.scales, layer.bias)
+            return reference_forward(x, self.int_weight(layer), layer.scales, layer.bias, layer.offsets)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, layer.in_features)
+        mod = kernel.kernels
         if self.quant.bits == 4:
-            y = kernel.kernels.w4a8_linear(x2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant)
+            y = mod.w4a8_linear(x2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets)
         else:
             weight = layer.qweight if layer.qweight is not None else layer.packed
-            y = kernel.kernels.w8a8_linear(x2, weight, layer.scales.view(-1), layer.bias, kernel.variant)
+            scales = self._int8_kernel_scales(layer)
+            y = mod.w8a8_linear(x2, weight, scales, layer.bias, kernel.variant, layer.offsets)
         return y.view(*lead, layer.out_features)
 
     def native_linear(self, layer: Any, kernels: Any) -> Any | None:
@@ -272,8 +296,9 @@ class IntWeightMethod:
             return None
         if self.quant.bits == 8:
             weight = layer.qweight if layer.qweight is not None else layer.packed
-            return kernels.NativeLinear(1, weight, layer.scales.view(-1), layer.bias, kernel.variant)
-        return kernels.NativeLinear(2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant)
+            scales = self._int8_kernel_scales(layer)
+            return kernels.NativeLinear(1, weight, scales, layer.bias, kernel.variant, layer.offsets)
+        return kernels.NativeLinear(2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets)
 
 
 def method_for(quant: WeightQuant | None, dtype: torch.dtype) -> DenseMethod | IntWeightMethod:

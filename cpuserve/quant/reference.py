@@ -21,8 +21,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def reference_forward(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """offsets [N, groups]: w = s * q + offset per group, so y gains s_a * sum_g offset_g * sum_g(q_a)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n, groups = scales.shape
     g = k // groups
@@ -39,6 +44,9 @@ def reference_forward(
         if per_group > 1:  # channel-wise with long K: add chunks exactly, in float64
             acc = acc.double().view(acc.shape[0], n, groups, per_group).sum(-1)
         out[start : start + rows] = (acc * scales.to(acc.dtype)).sum(-1)
+    if offsets is not None:  # group sums of the int8 activations are exact integers
+        sums = qa.double().view(m, groups, g).sum(-1)
+        out = out.double() + sums @ offsets.double().t()
     y = (out * sa.to(out.dtype)).float()
     if bias is not None:
         y = y + bias.float()

@@ -15,20 +15,22 @@ namespace {
 
 // A linear as its quant method holds it after loading (quant/methods.py): kind 0 float (torch's linear, no
 // variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout) of the variant it was packed for.
+// offsets: the per-group additive terms of a GGUF format with a minimum (w = s * q + offset), or none.
 struct Linear {
   int64_t kind;
   torch::Tensor weight, scales;
   c10::optional<torch::Tensor> bias;
   const Variant* variant;
+  c10::optional<torch::Tensor> offsets;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case 0:
         return torch::linear(x, weight, bias);
       case 1:
-        return w8a8_linear(x, weight, scales, bias, *variant);
+        return w8a8_linear(x, weight, scales, bias, *variant, offsets);
       default:
-        return w4a8_linear(x, weight, scales, bias, *variant);
+        return w4a8_linear(x, weight, scales, bias, *variant, offsets);
     }
   }
 };
@@ -64,11 +66,12 @@ void register_decoder_layers(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "NativeLinear")
       .def(py::init([](int64_t kind, torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> bias,
-                       const Variant* variant) {
+                       const Variant* variant, c10::optional<torch::Tensor> offsets) {
              TORCH_CHECK(kind == 0 || variant != nullptr, "NativeLinear: a quantized linear needs its variant");
-             return Linear{kind, weight, scales, bias, variant};
+             return Linear{kind, weight, scales, bias, variant, offsets};
            }),
-           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("variant"));
+           py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
+           py::arg("offsets") = py::none());
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
       .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
                        torch::Tensor post_norm, double eps, double residual_scale, int64_t num_heads,

@@ -146,9 +146,9 @@ void check_shape(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, in
   for (auto& e : s8) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
   const std::vector<uint8_t> p8 = pack_int8(v, w8, n, k);
   std::vector<float> out(m * n), want(m * n), ref(m * n);
-  cpk::w8a8_linear(v, kSplit, in, p8.data(), s8.data(), n, out.data());
-  cpk::w8a8_linear(twin, kSplit, in, p8.data(), s8.data(), n, want.data());
-  cpk::w8a8_linear(generic, kSplit, in, w8.data(), s8.data(), n, ref.data());
+  cpk::w8a8_linear(v, kSplit, in, p8.data(), s8.data(), 1, n, out.data());
+  cpk::w8a8_linear(twin, kSplit, in, p8.data(), s8.data(), 1, n, want.data());
+  cpk::w8a8_linear(generic, kSplit, in, w8.data(), s8.data(), 1, n, ref.data());
   for (int64_t i = 0; i < m * n; ++i) {
     checks += 2;
     if (std::memcmp(&out[i], &want[i], sizeof(float)) != 0) fail("w8a8 vs twin", v.name, m, n, k, 0, out[i], want[i]);
@@ -185,6 +185,58 @@ void check_shape(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, in
       if (std::fabs(want[i] - ref[i]) > 4.f * 1.2e-7f * scale * float(groups))
         fail("w4a8 twin vs generic", v.name, m, n, k, g, want[i], ref[i]);
     }
+}
+
+// W8A8 in groups (16 for the channel case: Q6_K's) and W4A8 in groups, both with per-group offsets
+// (the GGUF formats with a minimum): each variant bit-identical to its twin, the twin to generic
+// within the float budget of the group sums' order.
+void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t group) {
+  const Variant& twin = *v.twin;
+  const Variant& generic = *cpk::variant_by_name("generic");
+  std::vector<float> x(m * k);
+  for (auto& e : x) e = rng.uniform() * (rng.range(0, 50) == 0 ? 20.f : 1.f);
+  const cpk::LinearInput in{x.data(), cpk::DType::F32, m, k};
+  std::vector<float> sa(m);
+  for (int64_t r = 0; r < m; ++r) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(x[r * k + i]));
+    sa[r] = std::fmax(amax, 1e-8f) / 127.f;
+  }
+  for (int bits : {8, 4}) {
+    const int64_t g = bits == 8 && group == 0 ? 16 : (group ? group : k), groups = k / g;
+    std::vector<int8_t> w(n * k);
+    for (auto& e : w) e = bits == 8 ? int8_t(rng.range(-128, 127)) : int8_t(rng.range(-8, 7));
+    std::vector<float> s(n * groups), off(n * groups);
+    for (auto& e : s) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
+    for (auto& e : off) e = 0.01f * rng.uniform();
+    const std::vector<float> sp = pack_scales(v, s, n, groups);
+    std::vector<float> out(m * n), want(m * n), ref(m * n);
+    if (bits == 8) {
+      const std::vector<uint8_t> p8 = pack_int8(v, w, n, k);
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), off.data());
+      cpk::w8a8_linear(twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), off.data());
+      cpk::w8a8_linear(generic, kSplit, in, w.data(), s.data(), groups, n, ref.data(), off.data());
+    } else {
+      const std::vector<uint8_t> p4 = pack_int4(v, w, n, k), rows = pack_int4(generic, w, n, k);
+      cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), off.data());
+      cpk::w4a8_linear(twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), off.data());
+      cpk::w4a8_linear(generic, kSplit, in, rows.data(), s.data(), groups, n, ref.data(), off.data());
+    }
+    const bool exact = bits == 8 || v.w4_exact;
+    const char* what = bits == 8 ? "grouped w8a8 + offsets" : "w4a8 + offsets";
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        checks += 2;
+        const int64_t i = r * n + c;
+        if (exact ? std::memcmp(&out[i], &want[i], sizeof(float)) != 0 : out[i] != want[i])
+          fail(what, v.name, m, n, k, g, out[i], want[i]);
+        float scale = 0.f;  // magnitude of the sums: weights, offsets, activations
+        for (int64_t gi = 0; gi < groups; ++gi) scale += s[c * groups + gi] * 128.f + std::fabs(off[c * groups + gi]);
+        scale *= 127.f * float(g) * sa[r];
+        if (std::fabs(want[i] - ref[i]) > 4.f * 1.2e-7f * scale * float(groups + 1))
+          fail(what, v.name, m, n, k, g, want[i], ref[i]);
+      }
+  }
 }
 
 const char* int4_name(cpk::Int4Layout l) {
@@ -226,9 +278,10 @@ int main(int argc, char** argv) {
           for (int64_t group : group_sizes) {
             if (k == 4096 && (m % 4 != 1 || n > 7)) continue;  // the big K on a sample of shapes
             check_shape(*v, rng, m, n, k, group);
+            check_grouped(*v, rng, m, n, k, group);
           }
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
-                "32/64/128/channel)%s\n",
+                "32/64/128/channel; W8A8 also in groups of 16..128 and both with offsets)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name,
                 v == &best ? " [selected]" : "");

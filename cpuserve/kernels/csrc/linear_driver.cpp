@@ -1,5 +1,6 @@
 #include "linear_driver.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "panel_layout.h"
@@ -54,9 +55,30 @@ void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in,
   quantize_rows_of(v, par, static_cast<const F16*>(in.x), in.m, in.k, group, act, sums);
 }
 
-// Output work shared out: panels for a panel layout, else columns.
+// Output columns [c0, c1) += sa * sum_g offset[c, g] * sums[r, g]: the per-group additive term of
+// w = s * q + offset, in float, after the kernel (the same code for every variant and its twin).
+void add_offsets(const LinearArgs& a, int64_t c0, int64_t c1) {
+  const int64_t groups = a.groups;
+  for (int64_t r = 0; r < a.m; ++r) {
+    const int32_t* gs = a.sums + r * groups;
+    float* out = a.out + r * a.n;
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* off = a.offsets + c * groups;
+      float term = 0.f;
+      for (int64_t g = 0; g < groups; ++g) term += off[g] * float(gs[g]);
+      out[c] += term * a.sa[r];
+    }
+  }
+}
+
+// Output work shared out: panels for a panel layout, else columns; each range's offsets added by
+// the thread that computed it.
 void over_outputs(const Parallel& par, bool panels, int64_t n, LinearKernel kernel, const LinearArgs& args) {
-  auto body = [&](int64_t begin, int64_t end) { kernel(args, begin, end); };
+  auto body = [&](int64_t begin, int64_t end) {
+    kernel(args, begin, end);
+    if (args.offsets != nullptr)
+      add_offsets(args, panels ? begin * kPanel : begin, panels ? std::min(n, end * kPanel) : end);
+  };
   if (panels)
     par.for_range(0, panel_count(n), 1, body);
   else
@@ -66,21 +88,24 @@ void over_outputs(const Parallel& par, bool panels, int64_t n, LinearKernel kern
 }  // namespace
 
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t n, float* out) {
+                 int64_t groups, int64_t n, float* out, const float* offsets) {
   count(v, kW8A8);
-  const bool offset = v.int8 == Int8Layout::OffsetPanels;  // uint8 w + 128: one activation sum per row corrects it
-  Activations& act = scratch(in.m, in.k, 1);
-  quantize_rows(v, par, in, offset ? in.k : 0, act);
-  const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, 1, n, out};
+  // uint8 w + 128 (OffsetPanels): the activation sums of each group correct it; offsets need them too.
+  const bool sums = v.int8 == Int8Layout::OffsetPanels || offsets != nullptr;
+  Activations& act = scratch(in.m, in.k, groups);
+  quantize_rows(v, par, in, sums ? in.k / groups : 0, act);
+  const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
+                        offsets};
   over_outputs(par, is_panels(v.int8), n, v.w8a8, args);
 }
 
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out) {
+                 int64_t groups, int64_t n, float* out, const float* offsets) {
   count(v, kW4A8);
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, in.k / groups, act);
-  const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out};
+  const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
+                        offsets};
   over_outputs(par, is_panels(v.int4), n, v.w4a8, args);
 }
 

@@ -19,12 +19,13 @@ struct LinearInput {
   int64_t m, k;
 };
 
-// W8A8: w in the variant's int8 layout, scales [N]. out [M, N] fp32.
+// W8A8: w in the variant's int8 layout, scales [N, groups] in the layout's order (groups = 1:
+// per channel; else groups of K / groups inputs, a multiple of 4). out [M, N] fp32.
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t n, float* out);
+                 int64_t groups, int64_t n, float* out, const float* offsets = nullptr);
 // W4A8: w in the variant's int4 layout, scales [N, groups] in the layout's order. out [M, N] fp32.
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out);
+                 int64_t groups, int64_t n, float* out, const float* offsets = nullptr);
 void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs& a);
 
 }  // namespace cpk

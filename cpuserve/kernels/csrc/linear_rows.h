@@ -61,13 +61,52 @@ inline float row_generic(const int8_t* a, const uint8_t* w, const float* s, int6
 }
 
 // Output columns [c0, c1): out[r, c] = (float(dot) * sw[c]) * sa[r]; 2x2 tiles first where the
-// variant has them.
+// variant has them. In groups (scales [N, groups], K / groups inputs each): the same dot products
+// and tiles over each group, folded in as row_generic does (groups in order, one product and sum).
 template <DotI8 Dot, TileI8 Tile = nullptr>
 inline void w8a8_rows(const LinearArgs& a, int64_t c0, int64_t c1) {
   const int8_t* qa = a.qa;
   const int8_t* qw = static_cast<const int8_t*>(a.w);
-  const int64_t k = a.k, n = a.n, m = a.m;
+  const int64_t k = a.k, n = a.n, m = a.m, groups = a.groups, group = k / groups;
   auto put = [&](int64_t r, int64_t c, int32_t acc) { a.out[r * n + c] = (float(acc) * a.sw[c]) * a.sa[r]; };
+  auto dot = [&](int64_t r, int64_t c) -> float {  // sum_g s_g * dot_g (before the activation scale)
+    float y = 0.f;
+    for (int64_t g = 0; g < groups; ++g)
+      y += float(Dot(qa + r * k + g * group, qw + c * k + g * group, group)) * a.sw[c * groups + g];
+    return y;
+  };
+  if (groups > 1) {
+    int64_t r = 0;
+    if constexpr (Tile != nullptr) {
+      for (; r + 2 <= m; r += 2) {
+        int64_t c = c0;
+        for (; c + 2 <= c1; c += 2) {
+          float y[4] = {0.f, 0.f, 0.f, 0.f};
+          for (int64_t g = 0; g < groups; ++g) {
+            int32_t t[4];
+            const int64_t o = g * group;
+            Tile(qa + r * k + o, qa + (r + 1) * k + o, qw + c * k + o, qw + (c + 1) * k + o, group, t);
+            const float s0 = a.sw[c * groups + g], s1 = a.sw[(c + 1) * groups + g];
+            y[0] += float(t[0]) * s0;
+            y[1] += float(t[1]) * s1;
+            y[2] += float(t[2]) * s0;
+            y[3] += float(t[3]) * s1;
+          }
+          a.out[r * n + c] = y[0] * a.sa[r];
+          a.out[r * n + c + 1] = y[1] * a.sa[r];
+          a.out[(r + 1) * n + c] = y[2] * a.sa[r + 1];
+          a.out[(r + 1) * n + c + 1] = y[3] * a.sa[r + 1];
+        }
+        for (; c < c1; ++c) {
+          a.out[r * n + c] = dot(r, c) * a.sa[r];
+          a.out[(r + 1) * n + c] = dot(r + 1, c) * a.sa[r + 1];
+        }
+      }
+    }
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t rr = r; rr < m; ++rr) a.out[rr * n + c] = dot(rr, c) * a.sa[rr];
+    return;
+  }
   int64_t r = 0;
   if constexpr (Tile != nullptr) {
     for (; r + 2 <= m; r += 2) {

@@ -13,23 +13,34 @@
 
 namespace cpk {
 
-// W8A8 panels [p0, p1); Offset: uint8 w + 128 (sums: per-token sums), else int8 w.
+// W8A8 panels [p0, p1); Offset: uint8 w + 128 (sums: per-token per-group sums), else int8 w. One
+// group: (float(dot) * sw[c]) * sa[r]; groups: each group's int32 folded in with one fma in group
+// order (scales in panel order), as the grouped SIMD blocks do.
 template <bool Offset>
 inline void w8a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* w = static_cast<const uint8_t*>(a.w);
-  const int64_t k = a.k, kq = quad_k(k), n = a.n;
+  const int64_t k = a.k, kq = quad_k(k), n = a.n, groups = a.groups;
+  const int64_t quads = groups == 1 ? kq / kInt8StepInputs : k / groups / kInt8StepInputs;  // per group
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t width = panel_width(n, p), c0 = p * kPanel;
+    const float* sp = a.sw + c0 * groups;
     for (int64_t r = 0; r < a.m; ++r) {
       const int8_t* x = a.qa + r * k;
       for (int64_t c = 0; c < width; ++c) {
-        int32_t acc = Offset ? -128 * a.sums[r] : 0;
-        for (int64_t j = 0; j < kq / kInt8StepInputs; ++j) {
-          const uint8_t* step = panel_step(w, kq, n, p, j) + 4 * c;
-          for (int64_t i = 0; i < 4 && 4 * j + i < k; ++i)  // padded weights are 0: nothing to add
-            acc += (Offset ? int32_t(step[i]) : int32_t(int8_t(step[i]))) * int32_t(x[4 * j + i]);
+        float y = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t acc = Offset ? -128 * a.sums[r * groups + g] : 0;
+          for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
+            const uint8_t* step = panel_step(w, kq, n, p, j) + 4 * c;
+            for (int64_t i = 0; i < 4 && 4 * j + i < k; ++i)  // padded weights are 0: nothing to add
+              acc += (Offset ? int32_t(step[i]) : int32_t(int8_t(step[i]))) * int32_t(x[4 * j + i]);
+          }
+          if (groups == 1)
+            y = float(acc) * sp[c];
+          else
+            y = std::fma(float(acc), sp[g * width + c], y);
         }
-        a.out[r * n + c0 + c] = (float(acc) * a.sw[c0 + c]) * a.sa[r];
+        a.out[r * n + c0 + c] = y * a.sa[r];
       }
     }
   }

@@ -58,35 +58,50 @@ cpk::LinearInput input_of(const torch::Tensor& xc) {
   return {xc.data_ptr(), float_dtype(xc, "linear input"), xc.size(0), xc.size(1)};
 }
 
+// The offsets of a linear with n outputs in `groups` groups, checked: fp32 [N, groups], or null.
+const float* offsets_of(const c10::optional<torch::Tensor>& offsets, int64_t n, int64_t groups, const char* what) {
+  if (!offsets.has_value()) return nullptr;
+  const torch::Tensor& o = *offsets;
+  TORCH_CHECK(o.scalar_type() == torch::kFloat32 && o.is_contiguous() && o.dim() == 2 && o.size(0) == n &&
+                  o.size(1) == groups,
+              what, ": offsets must be contiguous fp32 [N, groups]");
+  return o.data_ptr<float>();
+}
+
 }  // namespace
 
 // x [M, K] (fp32, bf16 or fp16), weight as pack_int8 left it for the variant (int8 rows [N, K]; int8
-// or uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N]: out [M, N] in x's dtype.
+// or uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N] (per channel) or [N, G] as pack_scales
+// gives them (groups of K / G inputs, a multiple of 4): out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, const Variant& v) {
+                          c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets) {
   auto xc = x.contiguous();
-  const int64_t k = xc.size(1), n = qweight.size(0);
+  const int64_t k = xc.size(1), n = qweight.size(0), groups = scales.dim() == 2 ? scales.size(1) : 1;
   const bool offset = v.int8 == cpk::Int8Layout::OffsetPanels;
   TORCH_CHECK(qweight.size(1) == (cpk::is_panels(v.int8) ? cpk::quad_k(k) : k) &&
                   qweight.scalar_type() == (offset ? torch::kUInt8 : torch::kInt8),
               "w8a8_linear: the weight must be as pack_int8 gives it for ", v.name);
+  TORCH_CHECK(scales.numel() == n * groups && (groups == 1 || (k % groups == 0 && (k / groups) % 4 == 0)),
+              "w8a8_linear: scales must be [N] or [N, G] with groups of a multiple of 4 inputs");
+  const float* off = offsets_of(offsets, n, groups, "w8a8_linear");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
-  cpk::w8a8_linear(v, torch_parallel(), input_of(xc), qweight.data_ptr(), scales.data_ptr<float>(), n,
-                   out.data_ptr<float>());
+  cpk::w8a8_linear(v, torch_parallel(), input_of(xc), qweight.data_ptr(), scales.data_ptr<float>(), groups, n,
+                   out.data_ptr<float>(), off);
   return finish(out, bias, x.scalar_type());
 }
 
 // x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
 // gives them for the variant: out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, const Variant& v) {
+                          c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets) {
   auto xc = x.contiguous();
   const int64_t k = xc.size(1), n = packed.size(0), groups = scales.size(1);
   const int64_t group = k / groups;
   TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
+  const float* off = offsets_of(offsets, n, groups, "w4a8_linear");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
   cpk::w4a8_linear(v, torch_parallel(), input_of(xc), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups,
-                   n, out.data_ptr<float>());
+                   n, out.data_ptr<float>(), off);
   return finish(out, bias, x.scalar_type());
 }
 
@@ -108,7 +123,8 @@ torch::Tensor pack_int8(torch::Tensor q, const Variant& v) {
   return out;
 }
 
-// W4A8 scales fp32 [N, G] in the variant's order: as they are, or in panel order.
+// Group scales fp32 [N, G] (W4A8, grouped W8A8) in the variant's order: as they are, or in panel
+// order (a variant's int8 and int4 layouts are both panels or both rows).
 torch::Tensor pack_scales(torch::Tensor scales, const Variant& v) {
   auto src_t = scales.to(torch::kFloat32).contiguous();
   if (!cpk::is_panels(v.int4)) return src_t;
@@ -207,8 +223,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_decoder_layers(mod);
   mod.def("variant", &variant, py::return_value_policy::reference, "the table row of a compiled variant, by name");
   // The linears let go of the GIL while they run (no Python inside).
-  mod.def("w8a8_linear", &w8a8_linear, py::call_guard<py::gil_scoped_release>(), "W8A8 channel-wise linear");
-  mod.def("w4a8_linear", &w4a8_linear, py::call_guard<py::gil_scoped_release>(), "W4A8 group-wise linear");
+  mod.def("w8a8_linear", &w8a8_linear, py::call_guard<py::gil_scoped_release>(),
+          "W8A8 linear, channel-wise or in groups", py::arg("x"), py::arg("qweight"), py::arg("scales"),
+          py::arg("bias"), py::arg("variant"), py::arg("offsets") = py::none());
+  mod.def("w4a8_linear", &w4a8_linear, py::call_guard<py::gil_scoped_release>(), "W4A8 group-wise linear",
+          py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
+          py::arg("offsets") = py::none());
   mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8 rows, int8 or uint8 + 128 panels)");
   mod.def("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); },
           "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");

@@ -20,9 +20,12 @@ inline bool is_panels(Int8Layout l) { return l != Int8Layout::SignedRows; }
 inline bool is_panels(Int4Layout l) { return l == Int4Layout::OffsetPanels; }
 
 // One matmul's quantized operands. qa [M, K] int8 (rows readable 4 bytes past the last), sa [M]
-// per-token scales; sums: W8A8 on OffsetPanels the per-token sums [M], W4A8 the per-token per-group
-// sums [M, groups] (the offset layouts' correction). w: the weight in the variant's layout, sw its
-// scales ([N], or W4A8 [N, groups] in the layout's order). out [M, N] fp32.
+// per-token scales; sums: the per-token per-group sums [M, groups] (the offset layouts' correction
+// and the offsets' term; a channel-wise W8A8 has one group). w: the weight in the variant's layout,
+// sw its scales [N, groups] in the layout's order (panel order for panel layouts; one group: [N]).
+// offsets: per-column per-group additive terms [N, groups] in column order (w = s * q + offset, the
+// GGUF formats with a minimum), or null; the driver adds sa * sum_g offset * sums after the kernel.
+// out [M, N] fp32.
 struct LinearArgs {
   const int8_t* qa;
   const float* sa;
@@ -32,6 +35,7 @@ struct LinearArgs {
   const float* sw;
   int64_t groups, n;
   float* out;
+  const float* offsets = nullptr;
 };
 
 struct AttentionArgs;  // attention.h

@@ -42,6 +42,44 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
     }
 }
 
+// W8A8 in groups (groups > 1): s8_panel_block's sign trick per group, float sums in memory.
+template <int R, int P>
+__attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelRun& run, const int8_t* qa, int64_t k,
+                                                                    int64_t groups, const float* sp, const float* sa,
+                                                                    float* out, int64_t n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t quads = k / groups / 4;
+  alignas(32) float facc[R][P][2][8] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][P][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
+    for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
+      for (int i = 0; i < P; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = load_half(run, i, h, j);
+          const __m256i magnitude = _mm256_abs_epi8(w);
+          for (int r = 0; r < R; ++r) {
+            const __m256i signed_a = _mm256_sign_epi8(broadcast4_ymm(qa + r * k + 4 * j), w);
+            acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
+          }
+        }
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+        for (int r = 0; r < R; ++r)
+          _mm256_store_ps(facc[r][i][h],
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+}
+
 template <int R, int P>
 __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
@@ -87,7 +125,11 @@ struct S8Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
-    s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
+    if (a.groups == 1)
+      s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
+    else
+      s8_group_block<R, P>(run, a.qa + r * a.k, a.k, a.groups, a.sw + run.c0 * a.groups, a.sa + r,
+                           a.out + r * a.n + run.c0, a.n);
   }
 };
 

@@ -57,6 +57,39 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
   }
 }
 
+// W8A8 in groups (groups > 1: K / groups inputs each, whole quads): R rows (group sums gs [R, groups])
+// x P panels, sp the run's scales in panel order; out = sa[r] * sum_g s_g * dot_g, the twin's fmas.
+template <int R, int P>
+__attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
+                                                                    const int32_t* gs, int64_t k, int64_t groups,
+                                                                    const float* sp, const float* sa, float* out,
+                                                                    int64_t n) {
+  const int64_t quads = k / groups / 4;  // quads per group
+  __m512 facc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i) facc[r][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-128 * gs[r * groups + g]);
+    for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
+      for (int i = 0; i < P; ++i) {
+        const __m512i w = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], w, broadcast4(qa + r * k + 4 * j));
+      }
+    for (int i = 0; i < P; ++i) {
+      const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
+                                             sp + i * kPanel * groups + g * run.width[i]);
+      for (int r = 0; r < R; ++r) facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), s, facc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 v[P];
+    for (int i = 0; i < P; ++i) v[i] = _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
+    store_panels<P>(out + r * n, v, run.store_last);
+  }
+}
+
 // W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels; sp: the run's scales in panel
 // order (from the run's first column). out = sa[r] * sum_g s_g * dot_g.
 template <int R, int P>
@@ -101,8 +134,12 @@ struct U8Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
-    u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
-                         a.n);
+    if (a.groups == 1)
+      u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
+                           a.n);
+    else
+      u8_group_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                           a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 

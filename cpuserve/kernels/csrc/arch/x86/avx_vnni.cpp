@@ -38,6 +38,40 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const Pa
     }
 }
 
+// W8A8 in groups (groups > 1), avx512_vnni's u8_group_block on two halves; float sums in memory.
+template <int R, int P>
+__attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
+                                                                        const int32_t* gs, int64_t k, int64_t groups,
+                                                                        const float* sp, const float* sa, float* out,
+                                                                        int64_t n) {
+  const int64_t quads = k / groups / 4;
+  alignas(32) float facc[R][P][2][8] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][P][2];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-128 * gs[r * groups + g]);
+    for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
+      for (int i = 0; i < P; ++i)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = load_half(run, i, h, j);
+          for (int r = 0; r < R; ++r)
+            acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
+        }
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+        for (int r = 0; r < R; ++r)
+          _mm256_store_ps(facc[r][i][h],
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+}
+
 template <int R, int P>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
@@ -80,8 +114,12 @@ struct U8Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
-    u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
-                         a.n);
+    if (a.groups == 1)
+      u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
+                           a.n);
+    else
+      u8_group_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                           a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 

@@ -1,0 +1,303 @@
+"""A GGUF file served as it is: its quantized tensors go to the native kernels, never through bf16.
+
+`cpuserve serve file.gguf` (and the bundled SmolLM2) opens the file through a small directory in
+the cache that holds what the rest of cpuserve reads from a model directory (config.json and the
+tokenizer files, made by offline/gguf_convert.py from the file's metadata) and `gguf.json`, which
+points at the file. `ModelSource.open` sees that pointer and reads the weights from the GGUF:
+
+- `GGUFCheckpoint` presents the file's tensors under HF names. A linear's quantized weight appears
+  as the checkpoint tensors its quant method asks for (`weight` int8 values, `weight_scale` and, for
+  formats with a minimum, `weight_offset`), decoded exactly from the blocks (quant/gguf_blocks.py);
+  each layer is read with positioned reads as the loader reaches it, so the file is never mapped
+  whole and the resident set is the packed weights.
+- `gguf_quant_config` gives every linear the scheme its block type re-expresses exactly; a type
+  without one is dequantized and rounded to int8 in groups of 32 (W8A8-G32), and the log says so
+  with the error it measured. Float tensors (norms, and the embedding, dequantized) are float.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from cpuserve.errors import CheckpointError
+from cpuserve.model.gguf_header import GGUFHeader, read_header
+from cpuserve.quant.config import QuantConfig, WeightQuant, _Group
+from cpuserve.quant.gguf_blocks import SCHEMES, DecodedWeight, decode
+
+log = logging.getLogger(__name__)
+
+POINTER_FILE = "gguf.json"
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The scheme a type without an exact one is rounded to (dequantized first).
+FALLBACK = WeightQuant(bits=8, group_size=32, packed=False)
+_LINEAR_SUFFIXES = ("_proj", "lm_head")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its GGUF name and type, HF name and shape (rows first), bytes."""
+
+    gguf_name: str
+    kind: str
+    hf_name: str
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+
+def _is_linear(hf_name: str) -> bool:
+    module = hf_name.removesuffix(".weight")
+    return hf_name.endswith(".weight") and module.endswith(_LINEAR_SUFFIXES)
+
+
+def read_tensor_table(header: GGUFHeader, hf_name: Any) -> dict[str, GGUFTensor]:
+    """Every tensor by HF name (hf_name maps GGUF names; one with no place is an error naming it)."""
+    table = {}
+    for t in header.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise CheckpointError(f"{header.path}: tensor '{t.name}' has no place in this architecture")
+        table[name] = GGUFTensor(t.name, t.kind, name, t.shape, t.offset, t.n_bytes)
+    return table
+
+
+def linear_scheme(kind: str) -> WeightQuant | None:
+    """The kernels' scheme for a linear stored as `kind` (None: float, computed densely)."""
+    if kind in FLOAT_TYPES:
+        return None
+    s = SCHEMES.get(kind)
+    if s is None:
+        return FALLBACK
+    return WeightQuant(bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets)
+
+
+def gguf_quant_config(table: dict[str, GGUFTensor], source: str) -> QuantConfig | None:
+    """One group per scheme, targeting the linears stored in it (exact module names)."""
+    by_scheme: dict[WeightQuant, list[str]] = {}
+    for name, t in table.items():
+        if _is_linear(name) and (quant := linear_scheme(t.kind)) is not None:
+            by_scheme.setdefault(quant, []).append(name.removesuffix(".weight"))
+    if not by_scheme:
+        return None
+    groups = [_Group(q.name, sorted(mods), q) for q, mods in sorted(by_scheme.items(), key=lambda kv: kv[0].name)]
+    return QuantConfig(groups, [], source, label="GGUF")
+
+
+class GGUFCheckpoint:
+    """The loader's checkpoint protocol over a GGUF file (names, shapes, dtypes, get)."""
+
+    def __init__(self, path: Path, table: dict[str, GGUFTensor], rows_of: Any) -> None:
+        """rows_of(hf_name, array) puts an array's rows in HF order (llama.cpp's q/k rope
+        permutation undone; arrays whose rows are output channels: values, scales, offsets)."""
+        self.path, self.table, self._rows_of = path, table, rows_of
+        self._virtual: dict[str, tuple[str, str]] = {}  # checkpoint name -> (weight name, part)
+        for name, t in table.items():
+            if _is_linear(name) and linear_scheme(t.kind) is not None:
+                prefix = name.removesuffix(".weight")
+                parts = ["weight", "weight_scale"] + (["weight_offset"] if linear_scheme(t.kind).offsets else [])
+                for part in parts:
+                    self._virtual[f"{prefix}.{part}"] = (name, part)
+            else:
+                self._virtual[name] = (name, "float")
+        self._decoded: tuple[str, DecodedWeight] | None = None
+        self._fd: int | None = None
+        self.format_description = f"GGUF ({path.name}: {', '.join(sorted({t.kind for t in table.values()}))})"
+
+    def names(self) -> list[str]:
+        return list(self._virtual)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._virtual
+
+    def file_of(self, name: str) -> Path:
+        return self.path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        base, part = self._virtual[name]
+        t = self.table[base]
+        if part in ("weight_scale", "weight_offset"):
+            group = linear_scheme(t.kind).group_size
+            return (t.shape[0], t.shape[1] // group)
+        return t.shape
+
+    def stored_dtype(self, name: str) -> str:
+        base, part = self._virtual[name]
+        if part == "weight":
+            return "I8"
+        if part == "float":
+            return {"F16": "F16", "BF16": "BF16"}.get(self.table[base].kind, "F32")
+        return "F32"
+
+    def _read(self, t: GGUFTensor) -> np.ndarray:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        data = os.pread(self._fd, t.n_bytes, t.offset)
+        if len(data) != t.n_bytes:
+            raise CheckpointError(f"{self.path}: truncated: tensor '{t.gguf_name}' is cut short")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def _float(self, t: GGUFTensor) -> np.ndarray:
+        raw = self._read(t)
+        if t.kind == "F32":
+            data = raw.view(np.float32)
+        elif t.kind == "F16":
+            data = raw.view(np.float16).astype(np.float32)
+        elif t.kind == "BF16":
+            data = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:  # a quantized tensor the model uses as floats (the embedding)
+            try:
+                data = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.kind])
+            except (NotImplementedError, KeyError) as exc:
+                raise CheckpointError(
+                    f"{self.path}: tensor '{t.gguf_name}' has type {t.kind}, which cpuserve cannot read ({exc})"
+                ) from None
+        return data.reshape(t.shape)
+
+    def _decode(self, base: str) -> DecodedWeight:
+        if self._decoded is not None and self._decoded[0] == base:
+            return self._decoded[1]
+        t = self.table[base]
+        rows, cols = t.shape
+        what = f"{self.path}: tensor '{t.gguf_name}'"
+        if t.kind in SCHEMES:
+            d = decode(t.kind, self._read(t), rows, cols, what)
+            d = DecodedWeight(
+                self._rows_of(base, d.values),
+                self._rows_of(base, d.scales),
+                None if d.offsets is None else self._rows_of(base, d.offsets),
+                d.scheme,
+            )
+        else:
+            d = _rounded_int8(self._rows_of(base, self._float(t)), t, what)
+        self._decoded = (base, d)
+        return d
+
+    def get(self, name: str) -> torch.Tensor:
+        base, part = self._virtual[name]
+        t = self.table[base]
+        if part == "float":
+            array = self._rows_of(base, self._float(t))
+            return torch.from_numpy(np.array(array, dtype=np.float32))
+        d = self._decode(base)
+        array = {"weight": d.values, "weight_scale": d.scales, "weight_offset": d.offsets}[part]
+        return torch.from_numpy(np.array(array))
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._virtual:
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._decoded = None
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_warned_types: set[str] = set()
+
+
+def _rounded_int8(w: np.ndarray, t: GGUFTensor, what: str) -> DecodedWeight:
+    """A type without a kernel scheme: dequantized, then int8 in groups of 32 (absmax scales)."""
+    rows, cols = w.shape
+    if cols % 32:
+        raise CheckpointError(f"{what}: type {t.kind} with {cols} columns has no kernel scheme (needs 32 | K)")
+    g = w.reshape(rows, cols // 32, 32).astype(np.float32)
+    scales = np.maximum(np.abs(g).max(axis=-1), 1e-30) / 127.0
+    values = np.clip(np.rint(g / scales[:, :, None]), -127, 127).astype(np.int8)
+    scheme = SCHEMES["Q8_0"]
+    d = DecodedWeight(values.reshape(rows, cols), scales.astype(np.float32), None, scheme)
+    if t.kind not in _warned_types:
+        _warned_types.add(t.kind)
+        err = np.sqrt(np.mean((d.dequantized() - w) ** 2) / max(np.mean(w.astype(np.float64) ** 2), 1e-30))
+        log.warning(
+            "GGUF type %s has no kernel scheme: its tensors are dequantized and rounded to W8A8-G32 "
+            "(int8 per 32 weights; relative RMS error %.2e on %s, more memory than %s)",
+            t.kind,
+            err,
+            t.gguf_name,
+            t.kind,
+        )
+    return d
+
+
+def write_pointer(directory: Path, gguf_path: Path) -> None:
+    st = gguf_path.stat()
+    pointer = {"file": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    (directory / POINTER_FILE).write_text(json.dumps(pointer, indent=2))
+
+
+def read_pointer(directory: Path) -> Path | None:
+    """The GGUF file a model directory stands for (None: an ordinary HF directory)."""
+    p = directory / POINTER_FILE
+    if not p.is_file():
+        return None
+    pointer = json.loads(p.read_text())
+    path = Path(pointer["file"])
+    if not path.is_file():
+        raise CheckpointError(f"{p}: the GGUF file it points at, {path}, is missing")
+    st = path.stat()
+    if (st.st_size, st.st_mtime_ns) != (pointer["size"], pointer["mtime_ns"]):
+        raise CheckpointError(f"{p}: {path} changed since this directory was made from it (remove {directory})")
+    return path
+
+
+def _rows_in_hf_order(meta: dict[str, Any], spec: Any) -> Any:
+    """llama.cpp permutes a llama model's q/k rows for its rope; every row-indexed array of those
+    two (float weights, int values, scales, offsets) goes back to HF's order."""
+    from cpuserve.offline.gguf_convert import unpermute_rope
+
+    permuted = meta.get("general.architecture") == "llama"
+
+    def rows_of(hf_name: str, array: np.ndarray) -> np.ndarray:
+        if permuted and hf_name.endswith("self_attn.q_proj.weight"):
+            return unpermute_rope(array, spec.num_heads)
+        if permuted and hf_name.endswith("self_attn.k_proj.weight"):
+            return unpermute_rope(array, spec.num_kv_heads)
+        return array
+
+    return rows_of
+
+
+def open_gguf_weights(gguf_path: Path, spec: Any) -> tuple[QuantConfig | None, GGUFCheckpoint]:
+    """The quant config and checkpoint of a GGUF file (its header read, no tensor data)."""
+    from cpuserve.offline.gguf_convert import hf_name
+
+    header = read_header(gguf_path)
+    table = read_tensor_table(header, hf_name)
+    checkpoint = GGUFCheckpoint(gguf_path, table, _rows_in_hf_order(header.metadata, spec))
+    return gguf_quant_config(table, str(gguf_path)), checkpoint
+
+
+def make_model_dir(gguf_path: Path, out: Path) -> Path:
+    """The directory a GGUF is served through: config.json and tokenizer files from its metadata,
+    and the pointer to the file (a few MB at most, written once; the weights stay in the file)."""
+    from cpuserve.model.checkpoint import atomic_directory
+    from cpuserve.offline.gguf_convert import _tokenizer_files, hf_config, open_gguf, read_metadata
+
+    reader = open_gguf(gguf_path)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    del reader
+    config = hf_config(meta, tied="output.weight" not in names, source=gguf_path)
+    with atomic_directory(out, force=True) as partial:
+        for fname, text in _tokenizer_files(meta, config, gguf_path).items():
+            (partial / fname).write_text(text)
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        write_pointer(partial, gguf_path)
+    return out

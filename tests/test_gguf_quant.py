@@ -1,0 +1,162 @@
+"""GGUF's quantized types on the native kernels: decoded exactly (against gguf-py's dequantizer),
+run by every variant this CPU has (against the integer reference and the dequantized matmul), and
+read from a real file (the bundled SmolLM2's Q4_1) without going through bf16."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from cpuserve.errors import CheckpointError
+from cpuserve.kernels import native, runnable_variants
+from cpuserve.quant.gguf_blocks import SCHEMES, decode
+from cpuserve.quant.linear import Linear
+from cpuserve.quant.methods import IntWeightMethod, KernelChoice
+from cpuserve.quant.reference import reference_forward
+
+TYPES = sorted(SCHEMES)
+# Kernel vs the integer reference of the same scheme: the float order of the group sums only.
+REL_BUDGET = 2e-6
+# Kernel vs x @ dequantized(W).T in float64: int8 per-token activation rounding, relative to the
+# output's RMS: the outlier channel (x 20) sets each token's int8 step (measured up to 4.6% here).
+ACT_BUDGET = 0.08
+SHAPES = [(7, 256), (40, 512), (130, 768)]  # (N, K): odd N, K whole super-blocks
+
+
+def _random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes for every block, with the fp16 fields set to sane scales (random bytes there
+    would be NaNs and infinities, which no real file holds)."""
+    s = SCHEMES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = n * k // s.block_weights
+    raw = rng.integers(0, 256, size=(blocks, s.block_bytes), dtype=np.uint8)
+    fp16_fields = {"Q6_K": [208]}.get(kind, [0, 2] if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
+    for at in fp16_fields:
+        scale = (rng.random(blocks) * 0.02 + 0.001).astype(np.float16)
+        if kind in ("Q4_1", "Q5_1") and at == 2:
+            scale = (-rng.random(blocks) * 0.1).astype(np.float16)  # the minimum: a negative fp16
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(blocks, 2)
+    return raw
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_decoded_blocks_equal_gguf_py_dequantize(kind):
+    n, k = 9, 512
+    raw = _random_blocks(kind, n, k, seed=len(kind))
+    d = decode(kind, raw, n, k, "test")
+    want = gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType[kind])
+    got = d.dequantized()
+    assert got.shape == want.shape == (n, k)
+    # Offsets are fp16 sums folded in float32: one rounding of each term.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    lo, hi = {4: (-8, 7), 8: (-128, 127)}[d.scheme.bits]
+    assert d.values.min() >= lo and d.values.max() <= hi and d.values.dtype == np.int8
+
+
+def test_a_wrong_byte_count_names_the_tensor():
+    raw = _random_blocks("Q4_0", 4, 64, seed=1)[:-1]
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_q\.weight.*bytes of Q4_0 data"):
+        decode("Q4_0", raw, 4, 64, "x.gguf: tensor 'blk.0.attn_q.weight'")
+
+
+class _Tensors:
+    """A checkpoint of one linear's decoded tensors (the loader's protocol)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get(self, name):
+        return self.tensors[name]
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def file_of(self, name):
+        return "test.gguf"
+
+
+def _linear(kind: str, n: int, k: int, seed: int, kernel: KernelChoice | None):
+    from cpuserve.model.gguf_source import linear_scheme
+
+    d = decode(kind, _random_blocks(kind, n, k, seed), n, k, "test")
+    method = IntWeightMethod(linear_scheme(kind), torch.float32)
+    with torch.device("meta"):
+        layer = Linear(k, [n], False, method)
+    tensors = {"l.weight": torch.from_numpy(d.values.copy()), "l.weight_scale": torch.from_numpy(d.scales.copy())}
+    if d.offsets is not None:
+        tensors["l.weight_offset"] = torch.from_numpy(d.offsets.copy())
+    method.load_shard(layer, 0, "l", _Tensors(tensors))
+    method.process_weights_after_loading(layer, kernel)
+    return layer, d
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_variant_runs_every_type(kind, n, k):
+    kernels = native()
+    assert kernels is not None, "native kernels are not built: ./run setup builds them"
+    reference_layer, d = _linear(kind, n, k, seed=n + k, kernel=None)
+    dequantized = torch.from_numpy(d.dequantized()).double()
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 3, 17, 70):
+        x = torch.randn(m, k, generator=gen) * 2
+        x[:, 5] *= 20  # an outlier channel, as real activations have
+        ref = reference_layer(x)
+        exact = (x.double() @ dequantized.T).float()
+        rms = exact.pow(2).mean().sqrt().item()
+        assert (ref - exact).pow(2).mean().sqrt().item() <= ACT_BUDGET * rms, (kind, m)
+        for name in runnable_variants():
+            variant = kernels.variant(name)
+            layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant))
+            got = layer(x)
+            assert (got - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-5, (kind, name, m)
+            native_twin = reference_forward(x, layer.int_weight(), layer.scales, None, layer.offsets)
+            assert torch.equal(native_twin, ref)
+            if variant.twin != variant:  # the SIMD kernel is bit-identical to its layout's scalar twin
+                twin_layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant.twin))
+                assert torch.equal(got, twin_layer(x)), (kind, name, m)
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf_dir(tmp_path_factory):
+    from cpuserve.model.resolve import resolve_model
+
+    return resolve_model(None, str(tmp_path_factory.mktemp("cache")))
+
+
+def test_the_bundled_gguf_is_read_as_it_is(bundled_gguf_dir):
+    from cpuserve.model.resolve import bundled_gguf
+    from cpuserve.model.source import ModelSource
+    from cpuserve.offline.gguf_convert import unpermute_rope
+
+    src = ModelSource.open(bundled_gguf_dir)
+    schemes = {g.weight.name for g in src.quant_config.groups}
+    assert schemes == {"W4A8-G32+offsets"}, schemes  # every linear of the Q4_1 file, exactly
+    assert src.checkpoint.stored_dtype("model.layers.0.self_attn.q_proj.weight") == "I8"
+    reader = gguf.GGUFReader(str(bundled_gguf()))
+    t = next(t for t in reader.tensors if t.name == "blk.3.attn_q.weight")
+    want = unpermute_rope(gguf.quants.dequantize(t.data, t.tensor_type), src.spec.num_heads)
+    with src.checkpoint as ckpt:
+        q = ckpt.get("model.layers.3.self_attn.q_proj.weight").float()
+        s = ckpt.get("model.layers.3.self_attn.q_proj.weight_scale")
+        o = ckpt.get("model.layers.3.self_attn.q_proj.weight_offset")
+    got = (q.view(q.shape[0], -1, 32) * s[..., None] + o[..., None]).view(q.shape)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.slow
+def test_the_bundled_gguf_serves_on_the_kernels_close_to_its_float_weights(bundled_gguf_dir, smol_dir):
+    """Same weights (the GGUF's, exact) through the kernels and through the bf16-free float path:
+    they differ only by the int8 per-token activations."""
+    from cpuserve.model.loader import load_model
+
+    ours = load_model(bundled_gguf_dir, dtype="float32")
+    ref = load_model(smol_dir, dtype="float32")  # the same file converted: bf16 weights
+    assert all(m.variant != "reference" for m in ours.modules() if isinstance(m, Linear) and m.quant)
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2, 28, 253, 1789, 30, 216]])
+    with torch.inference_mode():
+        a, b = torch.log_softmax(ours(ids).float(), -1), torch.log_softmax(ref(ids).float(), -1)
+    kl = (b.exp() * (b - a)).sum(-1).mean().item()
+    assert kl < 0.3, kl  # measured 0.16 (int8 per-token activations on SmolLM2's outlier channels)
