@@ -194,6 +194,9 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self._special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        # SentencePiece vocabularies (Gemma, Llama 2): `▁` for a space and `<0xNN>` byte pieces,
+        # not GPT-2's byte alphabet.
+        self._byte_fallback = bool(getattr(self._tok.model, "byte_fallback", False))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -222,6 +225,13 @@ class Tokenizer:
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             return b""
+        if self._byte_fallback and piece not in self._special:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            return piece.replace("\u2581", " ").encode()
         if piece in self._special or not all(c in _BYTE_OF for c in piece):
             return self.decode([token_id], skip_special_tokens=False).encode()
         return bytes(_BYTE_OF[c] for c in piece)

@@ -472,3 +472,18 @@ def test_sentencepiece_without_scores_is_one_clear_error():
     meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:-1]
     with pytest.raises(CheckpointError, match=r"tokenizer.ggml.token_type has 259 entries, expected 260"):
         build_tokenizer(meta, "model.gguf")
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
+    """Byte pieces are their byte, `▁` a space: what logprob bytes and grammar masks read."""
+    from cpuserve.tokenizer import Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<0xE4>": 1, "\u2581the": 2, "cat": 3, "\u2581": 4}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    ours = Tokenizer(tmp_path)
+    assert [ours.token_bytes(i) for i in range(1, 5)] == [b"\xe4", b" the", b"cat", b" "]
