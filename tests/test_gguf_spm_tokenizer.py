@@ -476,9 +476,10 @@ def test_sentencepiece_without_scores_is_one_clear_error():
 
 def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
     """Byte pieces are their byte, `▁` a space: what logprob bytes and grammar masks read."""
-    from cpuserve.tokenizer import Tokenizer
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models
+
+    from cpuserve.tokenizer import Tokenizer
 
     vocab = {"<unk>": 0, "<0xE4>": 1, "\u2581the": 2, "cat": 3, "\u2581": 4}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
