@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 POINTER_FILE = "gguf.json"
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # The scheme a type without an exact one is rounded to (dequantized first).
-FALLBACK = WeightQuant(bits=8, group_size=32, packed=False)
+FALLBACK = WeightQuant(bits=8, group_size=32, packed=False, act_groups=True)
 _LINEAR_SUFFIXES = ("_proj", "lm_head")
 
 
@@ -78,7 +78,7 @@ def linear_scheme(kind: str) -> WeightQuant | None:
     s = SCHEMES.get(kind)
     if s is None:
         return FALLBACK
-    return WeightQuant(bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets)
+    return WeightQuant(bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets, act_groups=True)
 
 
 def gguf_quant_config(table: dict[str, GGUFTensor], source: str) -> QuantConfig | None:

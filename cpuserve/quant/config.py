@@ -23,17 +23,21 @@ GROUP_SIZES = (32, 64, 128)
 class WeightQuant:
     """How one Linear's weight is stored: bits, group size (None: one scale per output channel),
     and whether each group also has an additive offset (w = s * q + offset: the GGUF formats with
-    a minimum, quant/gguf_blocks.py; compressed-tensors checkpoints never do)."""
+    a minimum, quant/gguf_blocks.py; compressed-tensors checkpoints never do). act_groups: the
+    activations are quantized per group of the weight's instead of per token (GGUF's numerics:
+    llama.cpp's int8 activation blocks; compressed-tensors says per token and gets it)."""
 
     bits: int
     group_size: int | None
     packed: bool
     offsets: bool = False
+    act_groups: bool = False
 
     @property
     def name(self) -> str:
         grouping = f"G{self.group_size}" if self.group_size else "channel"
-        return f"W{self.bits}A8-{grouping}{'+offsets' if self.offsets else ''}{' packed' if self.packed else ''}"
+        extras = ("+offsets" if self.offsets else "") + (" packed" if self.packed else "")
+        return f"W{self.bits}A8-{grouping}{extras}{' (A8 per group)' if self.act_groups else ''}"
 
 
 def _targets_match(targets: list[str], module: str) -> bool:

@@ -278,16 +278,20 @@ class IntWeightMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         kernel = layer.kernel
         if kernel is None:
-            return reference_forward(x, self.int_weight(layer), layer.scales, layer.bias, layer.offsets)
+            return reference_forward(
+                x, self.int_weight(layer), layer.scales, layer.bias, layer.offsets, self.quant.act_groups
+            )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, layer.in_features)
         mod = kernel.kernels
         if self.quant.bits == 4:
-            y = mod.w4a8_linear(x2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets)
+            y = mod.w4a8_linear(
+                x2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
+            )
         else:
             weight = layer.qweight if layer.qweight is not None else layer.packed
             scales = self._int8_kernel_scales(layer)
-            y = mod.w8a8_linear(x2, weight, scales, layer.bias, kernel.variant, layer.offsets)
+            y = mod.w8a8_linear(x2, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups)
         return y.view(*lead, layer.out_features)
 
     def native_linear(self, layer: Any, kernels: Any) -> Any | None:
@@ -297,8 +301,12 @@ class IntWeightMethod:
         if self.quant.bits == 8:
             weight = layer.qweight if layer.qweight is not None else layer.packed
             scales = self._int8_kernel_scales(layer)
-            return kernels.NativeLinear(1, weight, scales, layer.bias, kernel.variant, layer.offsets)
-        return kernels.NativeLinear(2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets)
+            return kernels.NativeLinear(
+                1, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
+            )
+        return kernels.NativeLinear(
+            2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
+        )
 
 
 def method_for(quant: WeightQuant | None, dtype: torch.dtype) -> DenseMethod | IntWeightMethod:

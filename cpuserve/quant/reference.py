@@ -13,6 +13,34 @@ import torch
 EXACT_CHUNK = 1024
 
 
+def _per_group_forward(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+) -> torch.Tensor:
+    """y = sum_g s_a[g] * (s_w[g] * acc_g + offset_g * sum_g(q_a)), each group's activations
+    quantized on their own; group sums exact (g <= EXACT_CHUNK), combined in float64."""
+    m, k = x.shape
+    n, groups = scales.shape
+    g = k // groups
+    xg = x.float().view(m, groups, g)
+    sa = xg.abs().amax(dim=-1).clamp(min=1e-8) / 127.0  # [M, groups]
+    qa = torch.round(xg / sa.unsqueeze(-1)).clamp(-127, 127)
+    qw = qweight.float().view(n, groups, g)
+    out = torch.empty(m, n, dtype=torch.float64)
+    rows = max(1, (1 << 24) // max(1, n * groups))
+    for start in range(0, m, rows):
+        a = qa[start : start + rows]
+        acc = torch.einsum("mgk,ngk->mng", a, qw).double() * scales.double()  # exact sums, then scales
+        if offsets is not None:
+            acc = acc + a.double().sum(-1).unsqueeze(1) * offsets.double()
+        out[start : start + rows] = (acc * sa[start : start + rows].double().unsqueeze(1)).sum(-1)
+    y = out.float()
+    return y + bias.float() if bias is not None else y
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8 (as float values in [-127, 127]) and scales [M, 1]."""
     scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
@@ -26,11 +54,15 @@ def reference_forward(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
     offsets: torch.Tensor | None = None,
+    act_groups: bool = False,
 ) -> torch.Tensor:
-    """offsets [N, groups]: w = s * q + offset per group, so y gains s_a * sum_g offset_g * sum_g(q_a)."""
+    """offsets [N, groups]: w = s * q + offset per group, so y gains s_a * sum_g offset_g * sum_g(q_a).
+    act_groups: activations quantized per group (one scale per token and group), not per token."""
     lead, k = x.shape[:-1], x.shape[-1]
     n, groups = scales.shape
     g = k // groups
+    if act_groups and groups > 1:
+        return _per_group_forward(x.reshape(-1, k), qweight, scales, bias, offsets).to(x.dtype).view(*lead, n)
     qa, sa = quantize_activations(x.reshape(-1, k).float())
     m = qa.shape[0]
     chunk = next(g // f for f in range(1, g + 1) if g % f == 0 and g // f <= EXACT_CHUNK)

@@ -22,15 +22,16 @@ struct Linear {
   c10::optional<torch::Tensor> bias;
   const Variant* variant;
   c10::optional<torch::Tensor> offsets;
+  bool act_groups;  // activations quantized per group (GGUF's schemes)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case 0:
         return torch::linear(x, weight, bias);
       case 1:
-        return w8a8_linear(x, weight, scales, bias, *variant, offsets);
+        return w8a8_linear(x, weight, scales, bias, *variant, offsets, act_groups);
       default:
-        return w4a8_linear(x, weight, scales, bias, *variant, offsets);
+        return w4a8_linear(x, weight, scales, bias, *variant, offsets, act_groups);
     }
   }
 };
@@ -66,12 +67,12 @@ void register_decoder_layers(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "NativeLinear")
       .def(py::init([](int64_t kind, torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> bias,
-                       const Variant* variant, c10::optional<torch::Tensor> offsets) {
+                       const Variant* variant, c10::optional<torch::Tensor> offsets, bool act_groups) {
              TORCH_CHECK(kind == 0 || variant != nullptr, "NativeLinear: a quantized linear needs its variant");
-             return Linear{kind, weight, scales, bias, variant, offsets};
+             return Linear{kind, weight, scales, bias, variant, offsets, act_groups};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
-           py::arg("offsets") = py::none());
+           py::arg("offsets") = py::none(), py::arg("act_groups") = false);
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
       .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
                        torch::Tensor post_norm, double eps, double residual_scale, int64_t num_heads,

@@ -202,7 +202,9 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(x[r * k + i]));
     sa[r] = std::fmax(amax, 1e-8f) / 127.f;
   }
-  for (int bits : {8, 4}) {
+  for (int mode = 0; mode < 4; ++mode) {
+    const int bits = mode % 2 ? 4 : 8;
+    const bool act_groups = mode >= 2;  // activations scaled per group
     const int64_t g = bits == 8 && group == 0 ? 16 : (group ? group : k), groups = k / g;
     std::vector<int8_t> w(n * k);
     for (auto& e : w) e = bits == 8 ? int8_t(rng.range(-128, 127)) : int8_t(rng.range(-8, 7));
@@ -213,17 +215,18 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     std::vector<float> out(m * n), want(m * n), ref(m * n);
     if (bits == 8) {
       const std::vector<uint8_t> p8 = pack_int8(v, w, n, k);
-      cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), off.data());
-      cpk::w8a8_linear(twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), off.data());
-      cpk::w8a8_linear(generic, kSplit, in, w.data(), s.data(), groups, n, ref.data(), off.data());
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), off.data(), act_groups);
+      cpk::w8a8_linear(twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), off.data(), act_groups);
+      cpk::w8a8_linear(generic, kSplit, in, w.data(), s.data(), groups, n, ref.data(), off.data(), act_groups);
     } else {
       const std::vector<uint8_t> p4 = pack_int4(v, w, n, k), rows = pack_int4(generic, w, n, k);
-      cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), off.data());
-      cpk::w4a8_linear(twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), off.data());
-      cpk::w4a8_linear(generic, kSplit, in, rows.data(), s.data(), groups, n, ref.data(), off.data());
+      cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), off.data(), act_groups);
+      cpk::w4a8_linear(twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), off.data(), act_groups);
+      cpk::w4a8_linear(generic, kSplit, in, rows.data(), s.data(), groups, n, ref.data(), off.data(), act_groups);
     }
     const bool exact = bits == 8 || v.w4_exact;
-    const char* what = bits == 8 ? "grouped w8a8 + offsets" : "w4a8 + offsets";
+    const char* what = bits == 8 ? (act_groups ? "grouped w8a8 + offsets, activations per group" : "grouped w8a8 + offsets")
+                                 : (act_groups ? "w4a8 + offsets, activations per group" : "w4a8 + offsets");
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) {
         checks += 2;

@@ -34,25 +34,39 @@ const float* widen(const T* row, int64_t k, std::vector<float>& buf) {
   return buf.data();
 }
 
+// per_group: each group of a row quantized on its own (the row's quantizer over the group: one
+// scale and one sum per group), scales [M, groups]; else one scale per row, scales [M].
 template <typename T>
 void quantize_rows_of(const Variant& v, const Parallel& par, const T* x, int64_t m, int64_t k, int64_t group,
-                      Activations& act, bool with_sums) {
+                      Activations& act, bool with_sums, bool per_group) {
   const int64_t groups = group > 0 ? k / group : 0;
   par.for_range(0, m, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wide;
-    for (int64_t r = begin; r < end; ++r)
-      v.quantize_row(widen(x + r * k, k, wide), k, group, act.q.data() + r * k, act.scales.data() + r,
-                     with_sums ? act.sums.data() + r * groups : nullptr);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = widen(x + r * k, k, wide);
+      int8_t* q = act.q.data() + r * k;
+      if (per_group) {
+        for (int64_t g = 0; g < groups; ++g)
+          v.quantize_row(row + g * group, group, group, q + g * group, act.scales.data() + r * groups + g,
+                         act.sums.data() + r * groups + g);
+      } else {
+        v.quantize_row(row, k, group, q, act.scales.data() + r, with_sums ? act.sums.data() + r * groups : nullptr);
+      }
+    }
   });
 }
 
-// Per-token quantization of x, rows shared out; group sums when group > 0.
-void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in, int64_t group, Activations& act) {
+// Quantization of x, rows shared out: per token (group sums when group > 0) or per group.
+void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in, int64_t group, Activations& act,
+                   bool per_group = false) {
   count(v, kQuantize);
   const bool sums = group > 0;
-  if (in.dtype == DType::F32) return quantize_rows_of(v, par, static_cast<const float*>(in.x), in.m, in.k, group, act, sums);
-  if (in.dtype == DType::Bf16) return quantize_rows_of(v, par, static_cast<const Bf16*>(in.x), in.m, in.k, group, act, sums);
-  quantize_rows_of(v, par, static_cast<const F16*>(in.x), in.m, in.k, group, act, sums);
+  if (per_group) act.scales.resize(in.m * (in.k / group));
+  if (in.dtype == DType::F32)
+    return quantize_rows_of(v, par, static_cast<const float*>(in.x), in.m, in.k, group, act, sums, per_group);
+  if (in.dtype == DType::Bf16)
+    return quantize_rows_of(v, par, static_cast<const Bf16*>(in.x), in.m, in.k, group, act, sums, per_group);
+  quantize_rows_of(v, par, static_cast<const F16*>(in.x), in.m, in.k, group, act, sums, per_group);
 }
 
 // Output columns [c0, c1) += sa * sum_g offset[c, g] * sums[r, g]: the per-group additive term of
@@ -65,8 +79,14 @@ void add_offsets(const LinearArgs& a, int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const float* off = a.offsets + c * groups;
       float term = 0.f;
-      for (int64_t g = 0; g < groups; ++g) term += off[g] * float(gs[g]);
-      out[c] += term * a.sa[r];
+      if (a.sa_groups) {
+        const float* sa = a.sa + r * groups;
+        for (int64_t g = 0; g < groups; ++g) term += off[g] * float(gs[g]) * sa[g];
+        out[c] += term;
+      } else {
+        for (int64_t g = 0; g < groups; ++g) term += off[g] * float(gs[g]);
+        out[c] += term * a.sa[r];
+      }
     }
   }
 }
@@ -88,24 +108,26 @@ void over_outputs(const Parallel& par, bool panels, int64_t n, LinearKernel kern
 }  // namespace
 
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out, const float* offsets) {
+                 int64_t groups, int64_t n, float* out, const float* offsets, bool act_groups) {
   count(v, kW8A8);
+  act_groups = act_groups && groups > 1;  // one group: per token is per group
   // uint8 w + 128 (OffsetPanels): the activation sums of each group correct it; offsets need them too.
-  const bool sums = v.int8 == Int8Layout::OffsetPanels || offsets != nullptr;
+  const bool sums = v.int8 == Int8Layout::OffsetPanels || offsets != nullptr || act_groups;
   Activations& act = scratch(in.m, in.k, groups);
-  quantize_rows(v, par, in, sums ? in.k / groups : 0, act);
+  quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups);
   const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
-                        offsets};
+                        offsets, act_groups};
   over_outputs(par, is_panels(v.int8), n, v.w8a8, args);
 }
 
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out, const float* offsets) {
+                 int64_t groups, int64_t n, float* out, const float* offsets, bool act_groups) {
   count(v, kW4A8);
+  act_groups = act_groups && groups > 1;
   Activations& act = scratch(in.m, in.k, groups);
-  quantize_rows(v, par, in, in.k / groups, act);
+  quantize_rows(v, par, in, in.k / groups, act, act_groups);
   const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
-                        offsets};
+                        offsets, act_groups};
   over_outputs(par, is_panels(v.int4), n, v.w4a8, args);
 }
 

@@ -22,10 +22,12 @@ struct LinearInput {
 // W8A8: w in the variant's int8 layout, scales [N, groups] in the layout's order (groups = 1:
 // per channel; else groups of K / groups inputs, a multiple of 4). out [M, N] fp32.
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out, const float* offsets = nullptr);
+                 int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
 // W4A8: w in the variant's int4 layout, scales [N, groups] in the layout's order. out [M, N] fp32.
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out, const float* offsets = nullptr);
+                 int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
+// act_groups: activations quantized per group of the weight's (one int8 scale per token and group,
+// as llama.cpp's Q8 activation blocks) instead of per token; only with groups > 1.
 void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs& a);
 
 }  // namespace cpk

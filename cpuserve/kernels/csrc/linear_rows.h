@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "row_layout.h"
 #include "variant.h"
@@ -69,10 +70,15 @@ inline void w8a8_rows(const LinearArgs& a, int64_t c0, int64_t c1) {
   const int8_t* qw = static_cast<const int8_t*>(a.w);
   const int64_t k = a.k, n = a.n, m = a.m, groups = a.groups, group = k / groups;
   auto put = [&](int64_t r, int64_t c, int32_t acc) { a.out[r * n + c] = (float(acc) * a.sw[c]) * a.sa[r]; };
-  auto dot = [&](int64_t r, int64_t c) -> float {  // sum_g s_g * dot_g (before the activation scale)
+  // sw[c, g], times the token's group scale when activations are scaled per group.
+  auto scale = [&](int64_t r, int64_t c, int64_t g) {
+    return a.sa_groups ? a.sw[c * groups + g] * a.sa[r * groups + g] : a.sw[c * groups + g];
+  };
+  auto finish = [&](int64_t r, float y) { return a.sa_groups ? y : y * a.sa[r]; };
+  auto dot = [&](int64_t r, int64_t c) -> float {  // sum_g s_g * dot_g
     float y = 0.f;
     for (int64_t g = 0; g < groups; ++g)
-      y += float(Dot(qa + r * k + g * group, qw + c * k + g * group, group)) * a.sw[c * groups + g];
+      y += float(Dot(qa + r * k + g * group, qw + c * k + g * group, group)) * scale(r, c, g);
     return y;
   };
   if (groups > 1) {
@@ -86,25 +92,24 @@ inline void w8a8_rows(const LinearArgs& a, int64_t c0, int64_t c1) {
             int32_t t[4];
             const int64_t o = g * group;
             Tile(qa + r * k + o, qa + (r + 1) * k + o, qw + c * k + o, qw + (c + 1) * k + o, group, t);
-            const float s0 = a.sw[c * groups + g], s1 = a.sw[(c + 1) * groups + g];
-            y[0] += float(t[0]) * s0;
-            y[1] += float(t[1]) * s1;
-            y[2] += float(t[2]) * s0;
-            y[3] += float(t[3]) * s1;
+            y[0] += float(t[0]) * scale(r, c, g);
+            y[1] += float(t[1]) * scale(r, c + 1, g);
+            y[2] += float(t[2]) * scale(r + 1, c, g);
+            y[3] += float(t[3]) * scale(r + 1, c + 1, g);
           }
-          a.out[r * n + c] = y[0] * a.sa[r];
-          a.out[r * n + c + 1] = y[1] * a.sa[r];
-          a.out[(r + 1) * n + c] = y[2] * a.sa[r + 1];
-          a.out[(r + 1) * n + c + 1] = y[3] * a.sa[r + 1];
+          a.out[r * n + c] = finish(r, y[0]);
+          a.out[r * n + c + 1] = finish(r, y[1]);
+          a.out[(r + 1) * n + c] = finish(r + 1, y[2]);
+          a.out[(r + 1) * n + c + 1] = finish(r + 1, y[3]);
         }
         for (; c < c1; ++c) {
-          a.out[r * n + c] = dot(r, c) * a.sa[r];
-          a.out[(r + 1) * n + c] = dot(r + 1, c) * a.sa[r + 1];
+          a.out[r * n + c] = finish(r, dot(r, c));
+          a.out[(r + 1) * n + c] = finish(r + 1, dot(r + 1, c));
         }
       }
     }
     for (int64_t c = c0; c < c1; ++c)
-      for (int64_t rr = r; rr < m; ++rr) a.out[rr * n + c] = dot(rr, c) * a.sa[rr];
+      for (int64_t rr = r; rr < m; ++rr) a.out[rr * n + c] = finish(rr, dot(rr, c));
     return;
   }
   int64_t r = 0;
@@ -136,18 +141,27 @@ inline void w4a8_rows(const LinearArgs& a, int64_t c0, int64_t c1) {
   const int64_t k = a.k, n = a.n, m = a.m, groups = a.groups, group = k / groups;
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
   const float* sw = a.sw;
+  // Activations scaled per group: each (token, column)'s group scales are sw * sa, made in a
+  // per-thread row (no tiles: a tile's two tokens share one scale row).
+  thread_local std::vector<float> scaled;
+  auto scales_of = [&](int64_t r, int64_t c) -> const float* {
+    if (!a.sa_groups) return sw + c * groups;
+    scaled.resize(groups);
+    for (int64_t g = 0; g < groups; ++g) scaled[g] = sw[c * groups + g] * a.sa[r * groups + g];
+    return scaled.data();
+  };
   auto put = [&](int64_t r, int64_t c, float dot) {
     float correction = 0.f;
     if constexpr (Offset) {
-      const float* srow = sw + c * groups;
+      const float* srow = scales_of(r, c);
       for (int64_t g = 0; g < groups; ++g) correction += srow[g] * float(a.sums[r * groups + g]);
     }
-    a.out[r * n + c] = (dot - 8.f * correction) * a.sa[r];
+    a.out[r * n + c] = a.sa_groups ? dot - 8.f * correction : (dot - 8.f * correction) * a.sa[r];
   };
-  auto row = [&](int64_t r, int64_t c) { return Row(a.qa + r * k, pw + c * (k / 2), sw + c * groups, groups, group); };
+  auto row = [&](int64_t r, int64_t c) { return Row(a.qa + r * k, pw + c * (k / 2), scales_of(r, c), groups, group); };
   int64_t r = 0;
   if constexpr (Tile != nullptr) {
-    for (; r + 2 <= m; r += 2) {
+    for (; r + 2 <= m && !a.sa_groups; r += 2) {
       int64_t c = c0;
       for (; c + 2 <= c1; c += 2) {
         float t[4];

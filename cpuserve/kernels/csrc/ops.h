@@ -13,13 +13,14 @@
 
 using cpk::Variant;
 
-// offsets: [N, groups] fp32 additive terms per group (w = s * q + offset), or none.
+// offsets: [N, groups] fp32 additive terms per group (w = s * q + offset), or none; act_groups:
+// activations quantized per group instead of per token (linear_driver.h).
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
-                          c10::optional<torch::Tensor> offsets = c10::nullopt);
+                          c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
-                          c10::optional<torch::Tensor> offsets = c10::nullopt);
+                          c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, double scale, torch::Tensor weight,
                                         double eps, const Variant& variant);

@@ -38,9 +38,9 @@ inline void w8a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
           if (groups == 1)
             y = float(acc) * sp[c];
           else
-            y = std::fma(float(acc), sp[g * width + c], y);
+            y = std::fma(float(acc), a.sa_groups ? sp[g * width + c] * a.sa[r * groups + g] : sp[g * width + c], y);
         }
-        a.out[r * n + c0 + c] = y * a.sa[r];
+        a.out[r * n + c0 + c] = a.sa_groups && groups > 1 ? y : y * a.sa[r];
       }
     }
   }
@@ -64,9 +64,9 @@ inline void w4a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
             for (int64_t i = 0; i < 4; ++i)
               acc += int32_t(step[i] & 0x0F) * x[8 * j + i] + int32_t(step[i] >> 4) * x[8 * j + 4 + i];
           }
-          y = std::fma(float(acc), sp[g * width + c], y);
+          y = std::fma(float(acc), a.sa_groups ? sp[g * width + c] * a.sa[r * groups + g] : sp[g * width + c], y);
         }
-        a.out[r * n + c0 + c] = y * a.sa[r];
+        a.out[r * n + c0 + c] = a.sa_groups ? y : y * a.sa[r];
       }
     }
   }

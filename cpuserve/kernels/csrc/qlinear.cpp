@@ -74,7 +74,8 @@ const float* offsets_of(const c10::optional<torch::Tensor>& offsets, int64_t n, 
 // or uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N] (per channel) or [N, G] as pack_scales
 // gives them (groups of K / G inputs, a multiple of 4): out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets) {
+                          c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets,
+                          bool act_groups) {
   auto xc = x.contiguous();
   const int64_t k = xc.size(1), n = qweight.size(0), groups = scales.dim() == 2 ? scales.size(1) : 1;
   const bool offset = v.int8 == cpk::Int8Layout::OffsetPanels;
@@ -86,14 +87,15 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const float* off = offsets_of(offsets, n, groups, "w8a8_linear");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
   cpk::w8a8_linear(v, torch_parallel(), input_of(xc), qweight.data_ptr(), scales.data_ptr<float>(), groups, n,
-                   out.data_ptr<float>(), off);
+                   out.data_ptr<float>(), off, act_groups);
   return finish(out, bias, x.scalar_type());
 }
 
 // x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
 // gives them for the variant: out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets) {
+                          c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets,
+                          bool act_groups) {
   auto xc = x.contiguous();
   const int64_t k = xc.size(1), n = packed.size(0), groups = scales.size(1);
   const int64_t group = k / groups;
@@ -101,7 +103,7 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const float* off = offsets_of(offsets, n, groups, "w4a8_linear");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
   cpk::w4a8_linear(v, torch_parallel(), input_of(xc), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups,
-                   n, out.data_ptr<float>(), off);
+                   n, out.data_ptr<float>(), off, act_groups);
   return finish(out, bias, x.scalar_type());
 }
 
@@ -225,10 +227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The linears let go of the GIL while they run (no Python inside).
   mod.def("w8a8_linear", &w8a8_linear, py::call_guard<py::gil_scoped_release>(),
           "W8A8 linear, channel-wise or in groups", py::arg("x"), py::arg("qweight"), py::arg("scales"),
-          py::arg("bias"), py::arg("variant"), py::arg("offsets") = py::none());
+          py::arg("bias"), py::arg("variant"), py::arg("offsets") = py::none(), py::arg("act_groups") = false);
   mod.def("w4a8_linear", &w4a8_linear, py::call_guard<py::gil_scoped_release>(), "W4A8 group-wise linear",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
-          py::arg("offsets") = py::none());
+          py::arg("offsets") = py::none(), py::arg("act_groups") = false);
   mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8 rows, int8 or uint8 + 128 panels)");
   mod.def("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); },
           "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");

@@ -25,7 +25,8 @@ inline bool is_panels(Int4Layout l) { return l == Int4Layout::OffsetPanels; }
 // sw its scales [N, groups] in the layout's order (panel order for panel layouts; one group: [N]).
 // offsets: per-column per-group additive terms [N, groups] in column order (w = s * q + offset, the
 // GGUF formats with a minimum), or null; the driver adds sa * sum_g offset * sums after the kernel.
-// out [M, N] fp32.
+// sa_groups (only with groups > 1): sa is [M, groups], one activation scale per token and group (as
+// llama.cpp's Q8 activation blocks), folded into each group's weight scales. out [M, N] fp32.
 struct LinearArgs {
   const int8_t* qa;
   const float* sa;
@@ -36,6 +37,7 @@ struct LinearArgs {
   int64_t groups, n;
   float* out;
   const float* offsets = nullptr;
+  bool sa_groups = false;
 };
 
 struct AttentionArgs;  // attention.h

@@ -43,7 +43,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
 }
 
 // W8A8 in groups (groups > 1): s8_panel_block's sign trick per group, float sums in memory.
-template <int R, int P>
+template <int R, int P, bool PG>
 __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelRun& run, const int8_t* qa, int64_t k,
                                                                     int64_t groups, const float* sp, const float* sa,
                                                                     float* out, int64_t n) {
@@ -70,17 +70,20 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
         const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
         for (int r = 0; r < R; ++r)
           _mm256_store_ps(facc[r][i][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
+                                          PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
+                                          _mm256_load_ps(facc[r][i][h])));
       }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i)
       for (int h = 0; h < 2; ++h)
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+                   PG ? _mm256_load_ps(facc[r][i][h])
+                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
 }
 
-template <int R, int P>
+template <int R, int P, bool PG>
 __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const float* sp, const float* sa, float* out,
@@ -110,14 +113,17 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
         const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
         for (int r = 0; r < R; ++r)
           _mm256_store_ps(facc[r][i][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
+                                          PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
+                                          _mm256_load_ps(facc[r][i][h])));
       }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i)
       for (int h = 0; h < 2; ++h)
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+                   PG ? _mm256_load_ps(facc[r][i][h])
+                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
 }
 
 struct S8Panels {
@@ -127,9 +133,12 @@ struct S8Panels {
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
     if (a.groups == 1)
       s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
+    else if (a.sa_groups)
+      s8_group_block<R, P, true>(run, a.qa + r * a.k, a.k, a.groups, a.sw + run.c0 * a.groups, a.sa + r * a.groups,
+                                 a.out + r * a.n + run.c0, a.n);
     else
-      s8_group_block<R, P>(run, a.qa + r * a.k, a.k, a.groups, a.sw + run.c0 * a.groups, a.sa + r,
-                           a.out + r * a.n + run.c0, a.n);
+      s8_group_block<R, P, false>(run, a.qa + r * a.k, a.k, a.groups, a.sw + run.c0 * a.groups, a.sa + r,
+                                  a.out + r * a.n + run.c0, a.n);
   }
 };
 
@@ -138,8 +147,12 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
-    u4_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                         a.sa + r, a.out + r * a.n + run.c0, a.n);
+    if (a.sa_groups)
+      u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
+    else
+      u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
+                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 

@@ -59,7 +59,7 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
 
 // W8A8 in groups (groups > 1: K / groups inputs each, whole quads): R rows (group sums gs [R, groups])
 // x P panels, sp the run's scales in panel order; out = sa[r] * sum_g s_g * dot_g, the twin's fmas.
-template <int R, int P>
+template <int R, int P, bool PG>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const float* sp, const float* sa, float* out,
@@ -80,19 +80,21 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
     for (int i = 0; i < P; ++i) {
       const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
                                              sp + i * kPanel * groups + g * run.width[i]);
-      for (int r = 0; r < R; ++r) facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), s, facc[r][i]);
+      for (int r = 0; r < R; ++r)
+        facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s,
+                                     facc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
     __m512 v[P];
-    for (int i = 0; i < P; ++i) v[i] = _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
+    for (int i = 0; i < P; ++i) v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
     store_panels<P>(out + r * n, v, run.store_last);
   }
 }
 
 // W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels; sp: the run's scales in panel
 // order (from the run's first column). out = sa[r] * sum_g s_g * dot_g.
-template <int R, int P>
+template <int R, int P, bool PG>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const float* sp, const float* sa, float* out,
@@ -119,12 +121,14 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
     for (int i = 0; i < P; ++i) {
       const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
                                              sp + i * kPanel * groups + g * run.width[i]);
-      for (int r = 0; r < R; ++r) facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), s, facc[r][i]);
+      for (int r = 0; r < R; ++r)
+        facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s,
+                                     facc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
     __m512 v[P];
-    for (int i = 0; i < P; ++i) v[i] = _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
+    for (int i = 0; i < P; ++i) v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
     store_panels<P>(out + r * n, v, run.store_last);
   }
 }
@@ -137,9 +141,12 @@ struct U8Panels {
     if (a.groups == 1)
       u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
                            a.n);
+    else if (a.sa_groups)
+      u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
     else
-      u8_group_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                           a.sa + r, a.out + r * a.n + run.c0, a.n);
+      u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
+                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 
@@ -148,8 +155,12 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
-    u4_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                         a.sa + r, a.out + r * a.n + run.c0, a.n);
+    if (a.sa_groups)
+      u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
+    else
+      u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
+                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 

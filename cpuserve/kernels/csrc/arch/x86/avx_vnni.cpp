@@ -39,7 +39,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const Pa
 }
 
 // W8A8 in groups (groups > 1), avx512_vnni's u8_group_block on two halves; float sums in memory.
-template <int R, int P>
+template <int R, int P, bool PG>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
                                                                         const float* sp, const float* sa, float* out,
@@ -62,17 +62,20 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
         const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
         for (int r = 0; r < R; ++r)
           _mm256_store_ps(facc[r][i][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
+                                          PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
+                                          _mm256_load_ps(facc[r][i][h])));
       }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i)
       for (int h = 0; h < 2; ++h)
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+                   PG ? _mm256_load_ps(facc[r][i][h])
+                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
 }
 
-template <int R, int P>
+template <int R, int P, bool PG>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
                                                                         const float* sp, const float* sa, float* out,
@@ -99,14 +102,17 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
         const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
         for (int r = 0; r < R; ++r)
           _mm256_store_ps(facc[r][i][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s, _mm256_load_ps(facc[r][i][h])));
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
+                                          PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
+                                          _mm256_load_ps(facc[r][i][h])));
       }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i)
       for (int h = 0; h < 2; ++h)
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+                   PG ? _mm256_load_ps(facc[r][i][h])
+                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
 }
 
 struct U8Panels {
@@ -117,9 +123,12 @@ struct U8Panels {
     if (a.groups == 1)
       u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
                            a.n);
+    else if (a.sa_groups)
+      u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
     else
-      u8_group_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                           a.sa + r, a.out + r * a.n + run.c0, a.n);
+      u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
+                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 
@@ -128,8 +137,12 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
-    u4_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                         a.sa + r, a.out + r * a.n + run.c0, a.n);
+    if (a.sa_groups)
+      u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
+                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
+    else
+      u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
+                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
   }
 };
 
