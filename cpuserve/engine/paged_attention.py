@@ -6,6 +6,11 @@ batched into one grouped attention call (ops.decode_attention_paged: natively, e
 its own slots straight from the cache; in the torch reference, gathered, padded to the longest
 context and masked; each KV head read once for the query heads that share it); each prefill chunk is one SDPA call with
 a causal mask offset by what is already cached (GQA passed as enable_gqa).
+
+A sliding-window layer sees only each query's last `window` positions: its decodes get only those
+slots (so the native attention never reads an older key), its prefill chunks only the cached keys
+some query of the chunk still sees, with the window in the mask. Every key stays cached (the
+full-attention layers and the prefix cache need them).
 """
 
 from __future__ import annotations
@@ -58,11 +63,32 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+def window_slots(slots: torch.Tensor, lengths: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's last `window` context slots (of slots [N, L] padded, lengths [N]), left-aligned and
+    padded with the row's first kept slot (a written one), and their lengths."""
+    kept = lengths.clamp(max=window)
+    width = min(slots.shape[1], window)
+    first = (lengths - kept).unsqueeze(1)
+    cols = first + torch.arange(width).unsqueeze(0)
+    cols = torch.where(torch.arange(width).unsqueeze(0) < kept.unsqueeze(1), cols, first)
+    return slots.gather(1, cols), kept
+
+
 class PagedAttention:
     """The decoder's AttentionBackend for one engine step."""
 
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, gqa: bool) -> None:
         self.cache, self.meta, self.gqa = cache, meta, gqa
+        self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # window -> decode slots, lengths
+
+    def _decode_context(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' context slots and lengths as a layer with this window sees them (made once per step)."""
+        meta = self.meta
+        if window is None:
+            return meta.decode_slots, meta.decode_lengths
+        if window not in self._windowed:
+            self._windowed[window] = window_slots(meta.decode_slots, meta.decode_lengths, window)
+        return self._windowed[window]
 
     def decode_cache(self) -> DecodeCache | None:
         """For the native decode step, when every sequence of the step decodes one token."""
@@ -78,24 +104,34 @@ class PagedAttention:
             slots=meta.decode_slots,
         )
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[meta.slot_mapping] = k
         vc[meta.slot_mapping] = v
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = ops.decode_attention_paged(
-                q[meta.decode_rows], kc, vc, meta.decode_slots, meta.decode_lengths
-            )
+            slots, lengths = self._decode_context(window)
+            out[meta.decode_rows] = ops.decode_attention_paged(q[meta.decode_rows], kc, vc, slots, lengths, scale)
         for chunk in meta.prefills:
+            t, cached = chunk.rows.stop - chunk.rows.start, chunk.num_cached
+            # The first cached position the chunk's first query still sees (a window hides older ones).
+            first = 0 if window is None else max(0, cached - window + 1)
+            context = chunk.context_slots[first:]
             query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]
-            keys = kc[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            values = vc[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            t, cached = query.shape[2], chunk.num_cached
-            mask = None if cached == 0 else torch.ones(t, cached + t, dtype=torch.bool).tril(diagonal=cached)
+            keys = kc[context].transpose(0, 1).unsqueeze(0)
+            values = vc[context].transpose(0, 1).unsqueeze(0)
+            mask = ops.causal_window_mask(t, cached - first, window)
             o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, is_causal=cached == 0 and t > 1, enable_gqa=self.gqa
+                query, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, scale=scale, enable_gqa=self.gqa
             )
             out[chunk.rows] = o[0].transpose(0, 1)
         return out

@@ -2,8 +2,9 @@
 torch: the reference every faster path is checked against; otherwise its float ops run natively
 (model/ops.py) and decode steps take one native call for all layers (model/native_decode.py).
 
-One module tree for Llama, Qwen2, Qwen3 and MiniCPM; the ModelSpec switches decide biases, q/k
-norms and MiniCPM scalings. Parameter names equal the HF checkpoint names, so loading is a lookup.
+One module tree for Llama, Qwen2, Qwen3, MiniCPM and Gemma 3; the ModelSpec switches decide biases,
+q/k norms, MiniCPM scalings, the norm flavour and placement, the MLP activation, the attention scale,
+each layer's window and rope. Parameter names equal the HF checkpoint names, so loading is a lookup.
 
 The attention core (where K/V are kept and how queries see them) is a pluggable
 `AttentionBackend`: the contiguous cache here for the reference path, the paged cache in the
@@ -29,19 +30,33 @@ log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [..., T, Hq, D], new k/v [..., T, Hkv, D] -> attention output [..., T, Hq, D]."""
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """q [..., T, Hq, D], new k/v [..., T, Hkv, D] -> attention output [..., T, Hq, D]. window: a
+        query sees only the keys less than `window` positions back (None: all); scale None: D ** -0.5."""
         ...
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    def add(self, h: torch.Tensor, delta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta * scale, this norm of it): a residual add fused with the norm that follows it."""
+        return ops.add_rms_norm(h, delta, scale, self.weight, self.eps, self.unit_offset)
 
 
 class KVCache:
@@ -78,31 +93,42 @@ class ContiguousAttention:
             slots=None,
         )
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         t, start = q.shape[2], self.start
+        # The first cached position any query of the block sees (a window hides older ones).
+        first = 0 if window is None else max(0, start - window + 1)
         if self.cache is not None:
             self.cache.k[layer][:, :, start : start + t] = k
             self.cache.v[layer][:, :, start : start + t] = v
-            k = self.cache.k[layer][:, :, : start + t]
-            v = self.cache.v[layer][:, :, : start + t]
+            k = self.cache.k[layer][:, :, first : start + t]
+            v = self.cache.v[layer][:, :, first : start + t]
+        else:
+            first = 0  # no cache: the block is the whole context
         if t == 1:  # decode: grouped matmuls, far faster than SDPA for a single query
             b, hq, _, d = q.shape
-            return ops.decode_attention_contiguous(q.reshape(b, hq, d), k, v).view(b, 1, hq, d)
-        mask = None
-        if t > 1 and start > 0:
-            # Query i sits at position start + i and sees keys 0 .. start + i.
-            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+            return ops.decode_attention_contiguous(q.reshape(b, hq, d), k, v, scale).view(b, 1, hq, d)
+        # Query i is key (start - first) + i of the keys kept.
+        mask = ops.causal_window_mask(t, start - first, window)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=t > 1 and start == 0, enable_gqa=self.gqa
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=self.gqa
         )
         return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, prefix: str, linear: LinearFactory) -> None:
+    def __init__(self, spec: ModelSpec, index: int, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         self.spec = spec
+        self.window, self.scale = spec.layer_window(index), spec.attention_scale
         h, bias = spec.hidden_size, spec.qkv_bias
         sizes = [spec.q_size, spec.kv_size, spec.kv_size]
         self.qkv_proj = linear.fused(prefix, ["q_proj", "k_proj", "v_proj"], h, sizes, bias)
@@ -112,8 +138,8 @@ class Attention(nn.Module):
             self.v_proj = linear(f"{prefix}v_proj", h, spec.kv_size, bias)
         self.o_proj = linear(f"{prefix}o_proj", spec.q_size, h, spec.o_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_unit_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_unit_offset)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, backend: AttentionBackend
@@ -130,7 +156,7 @@ class Attention(nn.Module):
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rope(q, k, cos, sin)
-        out = backend(layer, q, k, v)
+        out = backend(layer, q, k, v, window=self.window, scale=self.scale)
         return self.o_proj(out.reshape(*lead, spec.q_size))
 
 
@@ -138,6 +164,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         h, i, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.act_mul = ops.gelu_tanh_mul if spec.activation == "gelu_tanh" else ops.silu_mul
         self.gate_up_proj = linear.fused(prefix, ["gate_proj", "up_proj"], h, [i, i], bias)
         if self.gate_up_proj is None:
             self.gate_proj = linear(f"{prefix}gate_proj", h, i, bias)
@@ -149,17 +176,30 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.silu_mul(gate, up))
+        return self.down_proj(self.act_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, prefix: str, linear: LinearFactory) -> None:
+    def __init__(self, spec: ModelSpec, index: int, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         self.residual_scale = spec.residual_scale
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, f"{prefix}self_attn.", linear)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        eps, offset = spec.rms_norm_eps, spec.norm_unit_offset
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+        self.self_attn = Attention(spec, index, f"{prefix}self_attn.", linear)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, offset)
         self.mlp = MLP(spec, f"{prefix}mlp.", linear)
+        # (attention output norm, MLP input norm, MLP output norm), a plain tuple so that no module is
+        # registered twice. Llama: post_attention_layernorm is the MLP's input norm. Sandwich
+        # (Gemma): it norms the attention output, and the MLP has a norm on each side.
+        self.norm_roles: tuple[RMSNorm | None, RMSNorm, RMSNorm | None] = (None, self.post_attention_layernorm, None)
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+            self.norm_roles = (
+                self.post_attention_layernorm,
+                self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm,
+            )
 
     def step(
         self,
@@ -173,13 +213,17 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Residual stream h and its input_layernorm(h) -> the new residual stream and next_norm of it:
         each residual add is fused with the norm that follows it (the next layer's, or the final)."""
+        attn_out_norm, mlp_in_norm, mlp_out_norm = self.norm_roles
         attn = self.self_attn(normed, cos, sin, layer, backend)
-        post = self.post_attention_layernorm
-        h, x = ops.add_rms_norm(h, attn, self.residual_scale, post.weight, post.eps)
+        if attn_out_norm is not None:
+            attn = attn_out_norm(attn)
+        h, x = mlp_in_norm.add(h, attn, self.residual_scale)
         mlp = self.mlp(x)
+        if mlp_out_norm is not None:
+            mlp = mlp_out_norm(mlp)
         if next_norm is None:
             return (h + mlp * self.residual_scale if self.residual_scale != 1.0 else h + mlp), None
-        return ops.add_rms_norm(h, mlp, self.residual_scale, next_norm.weight, next_norm.eps)
+        return next_norm.add(h, mlp, self.residual_scale)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, backend: AttentionBackend
@@ -193,8 +237,8 @@ class DecoderBody(nn.Module):
     def __init__(self, spec: ModelSpec, linear: LinearFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, f"model.layers.{i}.", linear) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, f"model.layers.{i}.", linear) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset)
 
 
 class CausalLM(nn.Module):
@@ -217,6 +261,10 @@ class CausalLM(nn.Module):
         self.lm_head = linear("lm_head", spec.hidden_size, spec.vocab_size, False)
         with torch.device("cpu"):  # real even when the module is built on the meta device
             self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
+            # Sliding layers with a rope of their own (Gemma's local base frequency).
+            self.local_inv_freq = (
+                inverse_frequencies(spec.local_rope, spec.head_dim) if spec.local_rope is not None else None
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -236,6 +284,25 @@ class CausalLM(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.spec, batch, max_len, self.dtype)
 
+    def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin tables [*positions.shape, head_dim] (one table unless sliding
+        layers have a rope of their own)."""
+        tables = cos_sin(self.inv_freq, positions, self.dtype)
+        if self.local_inv_freq is None:
+            return [tables] * self.spec.num_layers
+        local = cos_sin(self.local_inv_freq, positions, self.dtype)
+        return [local if self.spec.is_sliding(i) else tables for i in range(self.spec.num_layers)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        scale = self.spec.embedding_scale
+        if scale != 1.0:
+            if self.spec.embedding_scale_in_dtype:  # as HF's Gemma: the fp32 scale rounded to the dtype first
+                h = h * torch.tensor(scale, dtype=torch.float32).to(h.dtype)
+            else:
+                h = h * scale
+        return h
+
     @torch.inference_mode()
     def forward_tokens(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
@@ -248,15 +315,13 @@ class CausalLM(nn.Module):
                 flat = positions.expand(input_ids.shape).reshape(-1)  # one position per token
                 cos, sin = cos_sin(self.inv_freq, flat, self.dtype)
                 return native_decode.decode(self, plans, input_ids, cos, sin, decode_cache)
-        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
-        h = self.model.embed_tokens(input_ids)
-        if self.spec.embedding_scale != 1.0:
-            h = h * self.spec.embedding_scale
+        tables = self.rope_tables(positions)
+        h = self.embed(input_ids)
         layers = self.model.layers
         normed = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, normed = layer.step(h, normed, cos, sin, i, backend, next_norm)
+            h, normed = layer.step(h, normed, *tables[i], i, backend, next_norm)
         return normed
 
     @torch.inference_mode()
@@ -274,10 +339,12 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for hidden states [..., H]."""
+        """fp32 logits for hidden states [..., H] (soft-capped in fp32 where the spec says so)."""
         if self.spec.logit_scale != 1.0:
             hidden = hidden * self.spec.logit_scale
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids, cache))

@@ -46,13 +46,28 @@ def _linear(module: nn.Module, kernels: Any) -> Any | None:
     return module.native_linear(kernels) if isinstance(module, Linear) else None
 
 
+def _layer_is_native(spec: Any) -> bool:
+    """decode_layers runs the Llama layer only: pre-norms w * x, SwiGLU, D ** -0.5, one rope, every
+    key seen. Anything else (Gemma's norms, GeGLU, scale, windows, local rope) is the Python loop's."""
+    return not (
+        spec.qk_norm
+        or spec.norm_unit_offset
+        or spec.sandwich_norms
+        or spec.activation != "silu"
+        or spec.attention_scale is not None
+        or spec.sliding_window is not None
+        or spec.local_rope is not None
+        or spec.embedding_scale_in_dtype
+    )
+
+
 def build_plan(model: nn.Module) -> list[Any] | None:
     """Per-layer plans for decode_layers, or None when some layer cannot run natively."""
     if not enabled():
         return None
     kernels = ops._native()
     spec = model.spec
-    if kernels is None or not hasattr(kernels, "decode_layers") or spec.qk_norm:
+    if kernels is None or not hasattr(kernels, "decode_layers") or not _layer_is_native(spec):
         return None
     if model.dtype not in ops.NATIVE_DTYPES:
         return None

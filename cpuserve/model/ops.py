@@ -1,5 +1,6 @@
 """The decoder's float ops around the linears: RMSNorm (alone and fused with the residual add), RoPE,
-SiLU-and-mul and single-query attention.
+SiLU-and-mul and single-query attention; Gemma's unit-offset RMSNorm and GeGLU (torch only), and
+the causal (optionally sliding-window) mask of a query block.
 
 Each op has its pure-torch reference here (`*_reference`) and a native twin (kernels/csrc/
 layer_ops.cpp) that does in one call what the reference does in 5-20 torch ops: on SmolLM2 those
@@ -70,6 +71,14 @@ def add_rms_norm_reference(
     return h, rms_norm_reference(h, weight, eps)
 
 
+def rms_norm_unit_offset_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: weights are offsets from 1, and the scaling is done in fp32 before rounding
+    to x's dtype (Llama's rounds first, then scales)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., T, H, D] by cos/sin [..., T, 1, D] ("rotate half" layout)."""
     half = x.shape[-1] // 2
@@ -81,11 +90,36 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: gelu(gate) (tanh approximation) * up. No native twin yet."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def causal_window_mask(t: int, offset: int, window: int | None) -> torch.Tensor | None:
+    """Which of offset + t keys each of t queries sees ([t, offset + t] bool): query i is key
+    offset + i and sees the keys up to itself, and with a window only those less than `window`
+    back (q - k < window, as HF's sliding-window mask). None when that is the plain causal mask of
+    a block without cached keys (SDPA's is_causal)."""
+    keys = offset + t
+    windowed = window is not None and keys > window  # else no visible key is ever too old
+    if offset == 0 and not windowed:
+        return None
+    mask = torch.ones(t, keys, dtype=torch.bool).tril(diagonal=offset)
+    if windowed:
+        mask &= ~torch.ones(t, keys, dtype=torch.bool).tril(diagonal=offset - window)
+    return mask
+
+
 def decode_attention_reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D] (one token per sequence); keys/values [N, Hkv, L, D] (its context, the new token
-    included); valid [N, L] bool, False at padding. Returns [N, Hq, D] in q's dtype; softmax in fp32.
+    included); valid [N, L] bool, False at padding; scale None: D ** -0.5. Returns [N, Hq, D] in q's
+    dtype; softmax in fp32.
 
     Written as two batched matmuls over the query heads that share a KV head: torch's SDPA with bf16
     inputs took 0.5-2.1 ms per layer for one query over 136-640 cached tokens here (its flash kernel
@@ -93,7 +127,8 @@ def decode_attention_reference(
     n, hq, d = q.shape
     hkv, length = keys.shape[1], keys.shape[2]
     qf = q.float().view(n, hkv, hq // hkv, d)
-    scores = torch.matmul(qf, keys.float().transpose(-1, -2)) * (d**-0.5)  # [N, Hkv, G, L]
+    scale = d**-0.5 if scale is None else scale
+    scores = torch.matmul(qf, keys.float().transpose(-1, -2)) * scale  # [N, Hkv, G, L]
     if valid is not None:
         scores = scores.masked_fill(~valid.view(n, 1, 1, length), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -101,7 +136,10 @@ def decode_attention_reference(
 
 
 # ---------------------------------------------------------------- dispatch
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm; unit_offset: Gemma's x * (1 + w) (torch only)."""
+    if unit_offset:
+        return rms_norm_unit_offset_reference(x, weight, eps)
     module = _use_native(x, weight)
     if module is None or x.dtype != weight.dtype:
         return rms_norm_reference(x, weight, eps)
@@ -109,9 +147,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, scale: float, weight: torch.Tensor, eps: float
+    h: torch.Tensor, delta: torch.Tensor, scale: float, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta * scale, its RMSNorm): the residual add fused with the norm that follows it."""
+    if unit_offset:
+        h = h + delta * scale if scale != 1.0 else h + delta
+        return h, rms_norm_unit_offset_reference(h, weight, eps)
     module = _use_native(h, delta, weight)
     if module is None or not (h.dtype == delta.dtype == weight.dtype) or h.shape != delta.shape:
         return add_rms_norm_reference(h, delta, scale, weight, eps)
@@ -162,14 +203,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return module.silu_mul(g, u, _variant()).view(gate.shape)
 
 
-def decode_attention_contiguous(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, D]; keys/values [B, Hkv, L, D] (the contiguous cache up to the new token)."""
+def decode_attention_contiguous(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """q [B, Hq, D]; keys/values [B, Hkv, L, D] (the contiguous cache up to the new token, or the
+    part of it a sliding window sees); scale None: D ** -0.5."""
     module = _use_native(q, keys)
     if module is None or keys.stride(-1) != 1:
-        return decode_attention_reference(q, keys, values)
+        return decode_attention_reference(q, keys, values, scale=scale)
     b, _, length, d = keys.shape
     lengths = torch.full((b,), length, dtype=torch.long)
-    return module.decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), None, lengths, d**-0.5, _variant())
+    scale = d**-0.5 if scale is None else scale
+    return module.decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), None, lengths, scale, _variant())
 
 
 def decode_attention_paged(
@@ -178,17 +223,25 @@ def decode_attention_paged(
     value_cache: torch.Tensor,
     slots: torch.Tensor,
     lengths: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; caches [S, Hkv, D]; slots [N, L] each sequence's context slots, padded;
-    lengths [N] its real context lengths (the native twin reads only those, the reference masks)."""
+    lengths [N] its real context lengths (the native twin reads only those, the reference masks);
+    scale None: D ** -0.5."""
     module = _use_native(q, key_cache)
     if module is None:
         n, length = slots.shape
         valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
         keys = key_cache[slots.view(-1)].view(n, length, *key_cache.shape[1:]).transpose(1, 2)
         values = value_cache[slots.view(-1)].view(n, length, *value_cache.shape[1:]).transpose(1, 2)
-        return decode_attention_reference(q, keys, values, valid)
+        return decode_attention_reference(q, keys, values, valid, scale)
     d = q.shape[-1]
     return module.decode_attention(
-        q, key_cache.unsqueeze(0), value_cache.unsqueeze(0), slots, lengths, d**-0.5, _variant()
+        q,
+        key_cache.unsqueeze(0),
+        value_cache.unsqueeze(0),
+        slots,
+        lengths,
+        d**-0.5 if scale is None else scale,
+        _variant(),
     )

@@ -1,4 +1,9 @@
-"""`cpuserve convert`: a llama-architecture GGUF becomes an HF directory (bf16 safetensors).
+"""`cpuserve convert`: a llama- or gemma3-architecture GGUF becomes an HF directory (bf16 safetensors).
+
+llama.cpp stores each architecture its own way: llama q/k rows permuted for its rope layout (undone
+here), Gemma 3 norm weights with the 1 of `x * (1 + w)` added in (taken off here), and Gemma's
+hyper-parameters llama.cpp hard-codes (layer pattern, local rope base, attention scale) written
+back into the config.
 
 The output is written beside the target under a `.partial` name and renamed into place only when
 complete, so an interrupted conversion never leaves a directory that looks finished.
@@ -51,13 +56,34 @@ _LAYER_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name for a llama GGUF tensor name, or None when it has none."""
+# Gemma 3 (gguf-py's tensor map): ffn_norm is the MLP's input norm, the sandwich norms have names of their own.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
+OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# What llama.cpp fixes for every Gemma 3 rather than storing (llama-model.cpp, LLM_ARCH_GEMMA3): every
+# 6th layer global, the rest sliding; sliding layers' rope base 10000 (never scaled).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is (hidden / heads) ** -0.5, not head_dim ** -0.5
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF tensor name for a GGUF tensor name of this architecture, or None when it has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES[arch]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -125,10 +151,21 @@ def _require(meta: dict[str, Any], key: str, source: Path) -> Any:
     return meta[key]
 
 
-def hf_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
+def gguf_architecture(meta: dict[str, Any], source: Path) -> str:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"{source}: general.architecture {arch!r} is not supported (expected 'llama')")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        expected = " or ".join(repr(a) for a in SUPPORTED_ARCHITECTURES)
+        raise CheckpointError(f"{source}: general.architecture {arch!r} is not supported (expected {expected})")
+    return arch
+
+
+def hf_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
+    """config.json for the GGUF's architecture."""
+    arch = gguf_architecture(meta, source)
+    return _gemma3_config(meta, tied, source) if arch == "gemma3" else _llama_config(meta, tied, source)
+
+
+def _llama_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
     heads = int(_require(meta, "llama.attention.head_count", source))
     hidden = int(_require(meta, "llama.embedding_length", source))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0))}
@@ -163,6 +200,63 @@ def hf_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
     }
 
 
+def _gemma3_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
+    """Gemma3TextConfig's fields: the GGUF's hyper-parameters and what llama.cpp assumes for the rest."""
+    if meta.get("gemma3.attn_logit_softcapping"):
+        raise CheckpointError(f"{source}: gemma3.attn_logit_softcapping is not supported")
+    heads = int(_require(meta, "gemma3.attention.head_count", source))
+    hidden = int(_require(meta, "gemma3.embedding_length", source))
+    layers = int(_require(meta, "gemma3.block_count", source))
+    head_dim = int(meta.get("gemma3.attention.key_length", 256))
+    if int(meta.get("gemma3.attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{source}: gemma3.attention.value_length differs from key_length ({head_dim})")
+    window = int(meta.get("gemma3.attention.sliding_window", 0))  # 0 / absent: no sliding layers
+    layer_types = [
+        "sliding_attention" if window and (i + 1) % _GEMMA3_PATTERN else "full_attention" for i in range(layers)
+    ]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get("gemma3.rope.freq_base", 1e6))}
+    scaling = meta.get("gemma3.rope.scaling.type", "none")
+    if scaling == "linear":
+        full.update(rope_type="linear", factor=_f32(_require(meta, "gemma3.rope.scaling.factor", source)))
+    elif scaling not in ("none", None):
+        raise CheckpointError(f"{source}: gemma3.rope.scaling.type {scaling!r} is not supported")
+    local = {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}
+    cap = meta.get("gemma3.final_logit_softcapping")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(meta, "gemma3.feed_forward_length", source)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("gemma3.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(meta.get("gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.get("gemma3.context_length", 131072)),
+        "vocab_size": int(meta.get("gemma3.vocab_size", len(tokens))),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if layers == _GEMMA3_27B_LAYERS else head_dim,
+        "sliding_window": window or None,
+        "layer_types": layer_types,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        # The same, in the names configs before transformers 5 use.
+        "rope_theta": full["rope_theta"],
+        "rope_local_base_freq": local["rope_theta"],
+        "rope_scaling": None if full["rope_type"] == "default" else {"rope_type": "linear", "factor": full["factor"]},
+        "final_logit_softcapping": _f32(cap) if cap else None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "tie_word_embeddings": tied,
+        "attention_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else sorted(set(eos)) or None,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+
+
 def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) -> dict[str, str]:
     tokens = meta["tokenizer.ggml.tokens"]
 
@@ -184,18 +278,22 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path)
     }
     if template:
         tok_config["chat_template"] = template
-    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    generation = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": sorted(set(eos_ids))}
-    if len(generation["eos_token_id"]) == 1:
-        generation["eos_token_id"] = generation["eos_token_id"][0]
     files = {
         "tokenizer.json": build_tokenizer(meta, str(source)).to_str(pretty=True),
         "tokenizer_config.json": json.dumps(tok_config, indent=2, ensure_ascii=False),
-        "generation_config.json": json.dumps(generation, indent=2),
+        "generation_config.json": _generation_config(meta),
     }
     if template:
         files["chat_template.jinja"] = template
     return files
+
+
+def _generation_config(meta: dict[str, Any]) -> str:
+    eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    generation = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": sorted(set(eos_ids))}
+    if len(generation["eos_token_id"]) == 1:
+        generation["eos_token_id"] = generation["eos_token_id"][0]
+    return json.dumps(generation, indent=2)
 
 
 def _dequantize(t: Any, source: Path) -> np.ndarray:
@@ -214,32 +312,66 @@ def _dequantize(t: Any, source: Path) -> np.ndarray:
     return data.reshape(shape)
 
 
-def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = True) -> Path:
+def _to_hf_layout(arch: str, name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Undo what llama.cpp's converter did to this tensor: llama's q/k row permutation (Gemma's
+    rows are stored as HF has them), Gemma's +1 on every norm weight."""
+    if arch == "llama":
+        if name.endswith("attn_q.weight"):
+            return unpermute_rope(data, config["num_attention_heads"])
+        if name.endswith("attn_k.weight"):
+            return unpermute_rope(data, config["num_key_value_heads"])
+    elif name.endswith("norm.weight") and stored_norm_offset(arch):
+        return np.asarray(data, dtype=np.float32) - np.float32(stored_norm_offset(arch))
+    return data
+
+
+def stored_norm_offset(arch: str) -> float:
+    """What llama.cpp added to every norm weight of this architecture (HF weight = stored - this):
+    Gemma's norms scale by (1 + w), and llama.cpp stores 1 + w."""
+    return 1.0 if arch == "gemma3" else 0.0
+
+
+def convert_gguf(src: Path, out: Path, force: bool = False, progress: bool = True, dtype: str = "bfloat16") -> Path:
     """Convert; on success `out` is a complete HF directory, on any failure it does not exist."""
+    return _convert(src, out, force, progress, dtype, with_tokenizer=True)
+
+
+def convert_gguf_weights(
+    src: Path, out: Path, force: bool = False, progress: bool = True, dtype: str = "bfloat16"
+) -> Path:
+    """config.json, generation_config.json and the weights without the tokenizer files: for a GGUF
+    whose tokenizer cannot be converted (yet), when the tokenizer comes from elsewhere."""
+    return _convert(src, out, force, progress, dtype, with_tokenizer=False)
+
+
+def _convert(src: Path, out: Path, force: bool, progress: bool, dtype: str, with_tokenizer: bool) -> Path:
+    if dtype not in OUTPUT_DTYPES:
+        raise CheckpointError(f"output dtype {dtype!r} is not supported (expected one of {', '.join(OUTPUT_DTYPES)})")
     if out.exists() and not force:  # checked before the (long) read as well
         raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
     reader = open_gguf(src)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
+    arch = gguf_architecture(meta, src)
     config = hf_config(meta, tied="output.weight" not in names, source=src)
+    config["torch_dtype"] = dtype
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{src}: tensor 'rope_freqs.weight' (llama3 rope scaling) is not supported yet")
-    unknown = sorted(n for n in names if hf_name(n) is None)
+    unknown = sorted(n for n in names if hf_name(n, arch) is None)
     if unknown:
-        raise CheckpointError(f"{src}: tensor '{unknown[0]}' has no place in a llama model")
+        raise CheckpointError(f"{src}: tensor '{unknown[0]}' has no place in a {arch} model")
 
     with atomic_directory(out, force) as partial:
-        for fname, text in _tokenizer_files(meta, config, src).items():
+        files = _tokenizer_files(meta, config, src) if with_tokenizer else {}
+        files.setdefault("generation_config.json", _generation_config(meta))
+        for fname, text in files.items():
             (partial / fname).write_text(text)
         (partial / "config.json").write_text(json.dumps(config, indent=2))
         writer = ShardWriter(partial)
-        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress):
-            data = _dequantize(t, src)
-            if t.name.endswith("attn_q.weight"):
-                data = unpermute_rope(data, heads)
-            elif t.name.endswith("attn_k.weight"):
-                data = unpermute_rope(data, kv_heads)
-            writer.add(hf_name(t.name), torch.from_numpy(np.array(data, dtype=np.float32)).to(torch.bfloat16))
+            data = _to_hf_layout(arch, t.name, _dequantize(t, src), config)
+            writer.add(
+                hf_name(t.name, arch), torch.from_numpy(np.array(data, dtype=np.float32)).to(OUTPUT_DTYPES[dtype])
+            )
         writer.finish()
     return out
