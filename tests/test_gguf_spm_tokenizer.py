@@ -19,7 +19,7 @@ import pytest
 
 from cpuserve.detokenizer import IncrementalDetokenizer
 from cpuserve.errors import CheckpointError
-from cpuserve.offline.gguf_convert import _tokenizer_files, open_gguf, read_metadata
+from cpuserve.offline.gguf_convert import open_gguf, read_metadata, tokenizer_files
 from cpuserve.offline.gguf_tokenizer import build_tokenizer, special_token_flags
 from cpuserve.tokenizer import Tokenizer
 
@@ -136,7 +136,7 @@ def _llama_cpp(path: Path, texts: list[str]) -> list[dict[str, Any]]:
 def _write_dir(meta: dict[str, Any], source: Path, out: Path, template: str | None = None) -> Path:
     """What the converter writes for the tokenizer (tokenizer.json, tokenizer_config.json, template)."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in _tokenizer_files(meta, {"max_position_embeddings": 32768}, source).items():
+    for name, text in tokenizer_files(meta, {"max_position_embeddings": 32768}, source).items():
         (out / name).write_text(text)
     if template and not (out / "chat_template.jinja").exists():
         (out / "chat_template.jinja").write_text(template)

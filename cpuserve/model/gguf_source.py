@@ -97,8 +97,8 @@ class GGUFCheckpoint:
     """The loader's checkpoint protocol over a GGUF file (names, shapes, dtypes, get)."""
 
     def __init__(self, path: Path, table: dict[str, GGUFTensor], rows_of: Any) -> None:
-        """rows_of(hf_name, array) puts an array's rows in HF order (llama.cpp's q/k rope
-        permutation undone; arrays whose rows are output channels: values, scales, offsets)."""
+        """rows_of(hf_name, array) puts an array in HF's layout (offline/gguf_convert.py's rules; for a
+        quantized linear, the values, scales and offsets alike, whose rows are output channels)."""
         self.path, self.table, self._rows_of = path, table, rows_of
         self._virtual: dict[str, tuple[str, str]] = {}  # checkpoint name -> (weight name, part)
         for name, t in table.items():
@@ -154,7 +154,10 @@ class GGUFCheckpoint:
             data = raw.view(np.float16).astype(np.float32)
         elif t.kind == "BF16":
             data = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:  # a quantized tensor the model uses as floats (the embedding)
+        elif t.kind in SCHEMES:  # a quantized tensor the model uses as floats (the embedding)
+            rows, cols = t.shape if len(t.shape) == 2 else (1, t.shape[0])
+            data = decode(t.kind, raw, rows, cols, f"{self.path}: tensor '{t.gguf_name}'").dequantized()
+        else:
             try:
                 data = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.kind])
             except (NotImplementedError, KeyError) as exc:
@@ -257,30 +260,29 @@ def read_pointer(directory: Path) -> Path | None:
     return path
 
 
-def _rows_in_hf_order(meta: dict[str, Any], spec: Any) -> Any:
-    """llama.cpp permutes a llama model's q/k rows for its rope; every row-indexed array of those
-    two (float weights, int values, scales, offsets) goes back to HF's order."""
-    from cpuserve.offline.gguf_convert import unpermute_rope
+def _in_hf_layout(arch: str, table: dict[str, GGUFTensor], spec: Any) -> Any:
+    """What llama.cpp's converter did to a tensor, undone as `cpuserve convert` undoes it (one
+    implementation, offline/gguf_convert.py): a llama model's q/k rows permuted for its rope (so
+    every row-indexed array of those: float weights, int values, scales, offsets), Gemma's +1 on
+    every norm weight (floats only)."""
+    from cpuserve.offline.gguf_convert import to_hf_layout
 
-    permuted = meta.get("general.architecture") == "llama"
+    heads = {"num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads}
 
-    def rows_of(hf_name: str, array: np.ndarray) -> np.ndarray:
-        if permuted and hf_name.endswith("self_attn.q_proj.weight"):
-            return unpermute_rope(array, spec.num_heads)
-        if permuted and hf_name.endswith("self_attn.k_proj.weight"):
-            return unpermute_rope(array, spec.num_kv_heads)
-        return array
+    def layout(hf_name: str, array: np.ndarray) -> np.ndarray:
+        return to_hf_layout(arch, table[hf_name].gguf_name, array, heads)
 
-    return rows_of
+    return layout
 
 
 def open_gguf_weights(gguf_path: Path, spec: Any) -> tuple[QuantConfig | None, GGUFCheckpoint]:
     """The quant config and checkpoint of a GGUF file (its header read, no tensor data)."""
-    from cpuserve.offline.gguf_convert import hf_name
+    from cpuserve.offline.gguf_convert import gguf_architecture, hf_name
 
     header = read_header(gguf_path)
-    table = read_tensor_table(header, hf_name)
-    checkpoint = GGUFCheckpoint(gguf_path, table, _rows_in_hf_order(header.metadata, spec))
+    arch = gguf_architecture(header.metadata, gguf_path)
+    table = read_tensor_table(header, lambda name: hf_name(name, arch))
+    checkpoint = GGUFCheckpoint(gguf_path, table, _in_hf_layout(arch, table, spec))
     return gguf_quant_config(table, str(gguf_path)), checkpoint
 
 
@@ -288,15 +290,14 @@ def make_model_dir(gguf_path: Path, out: Path) -> Path:
     """The directory a GGUF is served through: config.json and tokenizer files from its metadata,
     and the pointer to the file (a few MB at most, written once; the weights stay in the file)."""
     from cpuserve.model.checkpoint import atomic_directory
-    from cpuserve.offline.gguf_convert import _tokenizer_files, hf_config, open_gguf, read_metadata
+    from cpuserve.offline.gguf_convert import hf_config, tokenizer_files
 
-    reader = open_gguf(gguf_path)
-    meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    del reader
+    header = read_header(gguf_path, arrays=True)
+    meta = header.metadata
+    names = {t.name for t in header.tensors}
     config = hf_config(meta, tied="output.weight" not in names, source=gguf_path)
     with atomic_directory(out, force=True) as partial:
-        for fname, text in _tokenizer_files(meta, config, gguf_path).items():
+        for fname, text in tokenizer_files(meta, config, gguf_path).items():
             (partial / fname).write_text(text)
         (partial / "config.json").write_text(json.dumps(config, indent=2))
         write_pointer(partial, gguf_path)

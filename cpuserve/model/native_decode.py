@@ -46,7 +46,7 @@ def _linear(module: nn.Module, kernels: Any) -> Any | None:
     return module.native_linear(kernels) if isinstance(module, Linear) else None
 
 
-def _layer_is_native(spec: Any) -> bool:
+def layer_is_native(spec: Any) -> bool:
     """decode_layers runs the Llama layer only: pre-norms w * x, SwiGLU, D ** -0.5, one rope, every
     key seen. Anything else (Gemma's norms, GeGLU, scale, windows, local rope) is the Python loop's."""
     return not (
@@ -67,7 +67,7 @@ def build_plan(model: nn.Module) -> list[Any] | None:
         return None
     kernels = ops._native()
     spec = model.spec
-    if kernels is None or not hasattr(kernels, "decode_layers") or not _layer_is_native(spec):
+    if kernels is None or not hasattr(kernels, "decode_layers") or not layer_is_native(spec):
         return None
     if model.dtype not in ops.NATIVE_DTYPES:
         return None

@@ -12,6 +12,7 @@ complete, so an interrupted conversion never leaves a directory that looks finis
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from tqdm import tqdm
 
 from cpuserve.errors import CheckpointError
 from cpuserve.model.checkpoint import ShardWriter, atomic_directory
-from cpuserve.offline.gguf_tokenizer import build_tokenizer
+from cpuserve.offline.gguf_tokenizer import build_tokenizer, special_token_flags
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.F32,
@@ -257,22 +260,21 @@ def _gemma3_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, 
     }
 
 
-def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) -> dict[str, str]:
+def tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) -> dict[str, str]:
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key: str) -> str | None:
         idx = meta.get(key)
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
-    template = meta.get("tokenizer.chat_template")
+    template = meta.get("tokenizer.chat_template") or _fallback_template(meta, source)
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("tokenizer.ggml.bos_token_id"),
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "unk_token": token("tokenizer.ggml.unknown_token_id"),
         "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        **special_token_flags(meta),
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
     }
@@ -288,8 +290,37 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path)
     return files
 
 
+# Chat formats fixed by an architecture, for GGUFs that carry no template (the Gemma 3 files do
+# not): Gemma's turns are `<start_of_turn>ROLE\nTEXT<end_of_turn>\n`, the assistant's role named
+# "model", a system message's text put at the start of the first user turn (Gemma has no system role).
+_ARCH_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}{% set ns = namespace(prefix='') %}"
+        "{% for m in messages %}{% set text = m['content'] if m['content'] is string else "
+        "m['content'] | map(attribute='text') | join('') %}"
+        "{% if m['role'] == 'system' %}{% set ns.prefix = text | trim ~ '\n\n' %}"
+        "{% else %}{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\n' ~ ns.prefix"
+        " ~ (text | trim) ~ '<end_of_turn>\n' }}{% set ns.prefix = '' %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+}
+# Tokens that end a turn in an architecture's chat format, stop tokens beside the file's EOS.
+_ARCH_TURN_ENDS = {"gemma3": ("<end_of_turn>",)}
+
+
+def _fallback_template(meta: dict[str, Any], source: Path) -> str | None:
+    template = _ARCH_TEMPLATES.get(meta.get("general.architecture", ""))
+    if template:
+        log.warning("%s carries no chat template: using the %s turn format", source, meta["general.architecture"])
+    return template
+
+
 def _generation_config(meta: dict[str, Any]) -> str:
     eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    for end in _ARCH_TURN_ENDS.get(meta.get("general.architecture", ""), ()):
+        if end in tokens:
+            eos_ids.append(tokens.index(end))
     generation = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": sorted(set(eos_ids))}
     if len(generation["eos_token_id"]) == 1:
         generation["eos_token_id"] = generation["eos_token_id"][0]
@@ -312,7 +343,7 @@ def _dequantize(t: Any, source: Path) -> np.ndarray:
     return data.reshape(shape)
 
 
-def _to_hf_layout(arch: str, name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def to_hf_layout(arch: str, name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray:
     """Undo what llama.cpp's converter did to this tensor: llama's q/k row permutation (Gemma's
     rows are stored as HF has them), Gemma's +1 on every norm weight."""
     if arch == "llama":
@@ -362,14 +393,14 @@ def _convert(src: Path, out: Path, force: bool, progress: bool, dtype: str, with
         raise CheckpointError(f"{src}: tensor '{unknown[0]}' has no place in a {arch} model")
 
     with atomic_directory(out, force) as partial:
-        files = _tokenizer_files(meta, config, src) if with_tokenizer else {}
+        files = tokenizer_files(meta, config, src) if with_tokenizer else {}
         files.setdefault("generation_config.json", _generation_config(meta))
         for fname, text in files.items():
             (partial / fname).write_text(text)
         (partial / "config.json").write_text(json.dumps(config, indent=2))
         writer = ShardWriter(partial)
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress):
-            data = _to_hf_layout(arch, t.name, _dequantize(t, src), config)
+            data = to_hf_layout(arch, t.name, _dequantize(t, src), config)
             writer.add(
                 hf_name(t.name, arch), torch.from_numpy(np.array(data, dtype=np.float32)).to(OUTPUT_DTYPES[dtype])
             )
