@@ -12,6 +12,7 @@ from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.model import native_decode
 from cpuserve.model.loader import load_model
+from cpuserve.model.resolve import resolve_model
 from cpuserve.offline.quantize import quantize_checkpoint
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 
@@ -47,10 +48,12 @@ def checkpoints(smol_dir, tmp_path_factory):
         "bf16": (smol_dir, "auto"),
         "w4a8-g64 fp32": (quantize_checkpoint(smol_dir, root / "w4a8", "w4a8", 64, progress=False), "float32"),
         "w8a8 bf16": (quantize_checkpoint(smol_dir, root / "w8a8", "w8a8", None, progress=False), "auto"),
+        # the bundled Q4_1 GGUF from its file: offsets and activations per group
+        "gguf q4_1 fp32": (resolve_model(None, str(root / "cache")), "float32"),
     }
 
 
-@pytest.mark.parametrize("name", ["bf16", "w4a8-g64 fp32", "w8a8 bf16"])
+@pytest.mark.parametrize("name", ["bf16", "w4a8-g64 fp32", "w8a8 bf16", "gguf q4_1 fp32"])
 def test_native_decode_is_bit_identical_to_the_layer_loop(checkpoints, monkeypatch, name):
     path, dtype = checkpoints[name]
     model = load_model(path, dtype)
