@@ -133,7 +133,8 @@ def test_the_bundled_gguf_is_read_as_it_is(bundled_gguf_dir):
 
     src = ModelSource.open(bundled_gguf_dir)
     schemes = {g.weight.name for g in src.quant_config.groups}
-    assert schemes == {"W4A8-G32+offsets (A8 per group)"}, schemes  # every linear of the Q4_1 file, exactly
+    # every linear of the Q4_1 file, and the output head from its tied Q8_0 embedding, exactly
+    assert schemes == {"W4A8-G32+offsets (A8 per group)", "W8A8-G32 (A8 per group)"}, schemes
     assert src.checkpoint.stored_dtype("model.layers.0.self_attn.q_proj.weight") == "I8"
     reader = gguf.GGUFReader(str(bundled_gguf()))
     t = next(t for t in reader.tensors if t.name == "blk.3.attn_q.weight")

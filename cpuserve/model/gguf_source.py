@@ -282,6 +282,11 @@ def open_gguf_weights(gguf_path: Path, spec: Any) -> tuple[QuantConfig | None, G
     header = read_header(gguf_path)
     arch = gguf_architecture(header.metadata, gguf_path)
     table = read_tensor_table(header, lambda name: hf_name(name, arch))
+    embedding = table.get("model.embed_tokens.weight")
+    if not spec.tie_word_embeddings and "lm_head.weight" not in table and embedding is not None:
+        # A tied file whose directory says untied (make_model_dir): the head is the embedding's own
+        # quantized data on the kernels, as llama.cpp runs it, not a float matmul over the vocabulary.
+        table["lm_head.weight"] = GGUFTensor(**{**embedding.__dict__, "hf_name": "lm_head.weight"})
     checkpoint = GGUFCheckpoint(gguf_path, table, _in_hf_layout(arch, table, spec))
     return gguf_quant_config(table, str(gguf_path)), checkpoint
 
@@ -296,6 +301,12 @@ def make_model_dir(gguf_path: Path, out: Path) -> Path:
     meta = header.metadata
     names = {t.name for t in header.tensors}
     config = hf_config(meta, tied="output.weight" not in names, source=gguf_path)
+    embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    if config["tie_word_embeddings"] and embedding is not None and embedding.kind in SCHEMES:
+        # The output head reads the embedding's quantized blocks on the kernels (open_gguf_weights);
+        # the embedding itself is dequantized for the lookup.
+        config["tie_word_embeddings"] = False
+        log.info("%s: tied %s embedding: the output head runs it on the kernels", gguf_path.name, embedding.kind)
     with atomic_directory(out, force=True) as partial:
         for fname, text in tokenizer_files(meta, config, gguf_path).items():
             (partial / fname).write_text(text)

@@ -163,7 +163,9 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)
     model.eval()
-    if quantize_lm_head:
+    if quantize_lm_head and model.lm_head.quant is not None:
+        log.info("lm_head is already quantized (%s): --quantize-lm-head leaves it", model.lm_head.quant.name)
+    elif quantize_lm_head:
         model.lm_head = _quantized_lm_head(model.lm_head, quantize_lm_head, torch_dtype, kernel)
         linears["lm_head"] = model.lm_head
     quantized = [m for m in linears.values() if m.quant is not None]
