@@ -25,7 +25,7 @@ wait_ready() {  # seconds until /health answers 200 (the container must still ru
 
 chat() {
     curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-        -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0,"max_tokens":16}'
+        -d '{"messages":[{"role":"user","content":"What is the capital of France? Answer in one word."}],"temperature":0,"max_tokens":16}'
 }
 
 start=$(( $(date +%s%N) / 1000000 ))

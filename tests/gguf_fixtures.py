@@ -50,7 +50,12 @@ def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_SKIP: set[str] = set()
+
+
 def _store(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q) -> None:
+    if name in _SKIP:
+        return
     if qtype == Q.F32:
         writer.add_tensor(name, w.astype(np.float32))
     elif qtype == Q.F16:
@@ -59,8 +64,12 @@ def _store(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q) -> None:
         writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
 
 
-def write_tiny_llama(path: Path, tied: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
-    """Write the GGUF; return the HF-layout fp32 weights it was made from (before quantization)."""
+def write_tiny_llama(path: Path, tied: bool = False, seed: int = 0, skip: str | None = None) -> dict[str, np.ndarray]:
+    """Write the GGUF (without the tensor `skip`, for tests of a broken file); return the HF-layout
+    fp32 weights it was made from (before quantization)."""
+    _SKIP.clear()
+    if skip:
+        _SKIP.add(skip)
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     vocab = len(tokens)

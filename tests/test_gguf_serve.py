@@ -172,3 +172,21 @@ def test_gemma3_chat_through_the_server(gemma_gguf, gemma_reference, tmp_path):
     with torch.inference_mode():
         greedy = ref.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     assert text == tok.decode(greedy, skip_special_tokens=True), (text, tok.decode(greedy))
+
+
+def test_a_missing_tensor_in_a_gguf_is_one_line(tmp_path):
+    """The loader's missing-tensor message for a GGUF (its quant config has no compressed-tensors
+    format to name)."""
+    path = tmp_path / "missing.gguf"
+    write_tiny_llama(path, skip="blk.1.attn_v.weight")
+    line = _one_line_error(_cpuserve(str(path), cache=tmp_path / "cache"))
+    assert "tensor 'model.layers.1.self_attn.v_proj." in line and "is missing" in line, line
+
+
+def test_a_moved_gguf_is_read_again_not_refused(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    first = resolve_model(str(path), str(tmp_path / "cache"))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # touched: a new key
+    second = resolve_model(str(path), str(tmp_path / "cache"))
+    assert second != first and load_model(second, dtype="float32") is not None

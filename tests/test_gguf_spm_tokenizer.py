@@ -19,7 +19,7 @@ import pytest
 
 from cpuserve.detokenizer import IncrementalDetokenizer
 from cpuserve.errors import CheckpointError
-from cpuserve.offline.gguf_convert import open_gguf, read_metadata, tokenizer_files
+from cpuserve.offline.gguf_convert import ARCH_TEMPLATES, open_gguf, read_metadata, tokenizer_files
 from cpuserve.offline.gguf_tokenizer import build_tokenizer, special_token_flags
 from cpuserve.tokenizer import Tokenizer
 
@@ -86,15 +86,8 @@ for text in req["texts"]:
 json.dump(out, sys.stdout)
 """
 
-# The Gemma turn format, written for this test (the GGUF carries no tokenizer.chat_template).
-GEMMA_TURNS = (
-    "{{ bos_token }}"
-    "{%- for m in messages -%}"
-    "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
-)
+# The Gemma turn format cpuserve uses for the GGUF (it carries no tokenizer.chat_template).
+GEMMA_TURNS = ARCH_TEMPLATES["gemma3"]
 MESSAGES = [
     {"role": "user", "content": "Write a haiku about   spaces.\n\nThen explain it."},
     {"role": "assistant", "content": "  Gaps between the words —\n\tquiet rooms 東京 🤖 "},

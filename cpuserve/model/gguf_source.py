@@ -250,8 +250,11 @@ def read_pointer(directory: Path) -> Path | None:
     p = directory / POINTER_FILE
     if not p.is_file():
         return None
-    pointer = json.loads(p.read_text())
-    path = Path(pointer["file"])
+    try:
+        pointer = json.loads(p.read_text())
+        path = Path(pointer["file"])
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{p}: not a GGUF pointer cpuserve wrote (remove {directory})") from None
     if not path.is_file():
         raise CheckpointError(f"{p}: the GGUF file it points at, {path}, is missing")
     st = path.stat()

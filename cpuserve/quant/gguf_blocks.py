@@ -5,8 +5,8 @@ Q6_K) stores, per group of 16 or 32 weights, small integers q, a scale and for s
 Written as w = s * v + offset with v signed (v = q - 8 for 4 bits, q - 16 for 5, q - 32 for 6),
 each is one of the kernels' schemes: 4-bit values are W4A8 in groups of 32, 5-, 6- and 8-bit values
 W8A8 in groups (32, or 16 for Q6_K), and the formats with a minimum add a per-group offset (the
-driver's `offsets` term). Nothing is rounded: scales and offsets are the format's fp16 numbers
-combined in float32 (products of an fp16 and a 6-bit integer are exact there).
+driver's `offsets` term). Values and scales are exact (products of an fp16 and a 6-bit integer are
+exact in float32); an offset that sums two terms (m + 8 d, 8 d sc - dmin m) is rounded once.
 
 Decoded from the format's description (llama.cpp's ggml-common.h block structs), vectorised with
 numpy over all blocks of a tensor; tests/test_gguf_quant.py checks every type against gguf-py's own
