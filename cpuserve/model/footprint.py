@@ -30,8 +30,12 @@ def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch
     elem = torch.empty((), dtype=compute).element_size()
     with source.checkpoint as ckpt:
         params, weight_bytes, native_bytes = 0, 0, 0
+        aliases = getattr(ckpt, "aliases", set())  # a GGUF's tied head: packed again, same parameters
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
+            if n in aliases:
+                native_bytes += count if ckpt.stored_dtype(n) == "I8" else 0
+                continue
             stored = ckpt.stored_dtype(n)
             if stored in FLOAT_DTYPES:
                 per_group = n.endswith(("weight_scale", "weight_offset"))  # fp32 per group, not parameters
@@ -98,7 +102,8 @@ def _scheme(qc: QuantConfig | None, compute: torch.dtype) -> str:
     if qc is None:
         return f"unquantized, computed in {dense}"
     names = sorted({g.weight.name for g in qc.groups})
-    return f"{qc.label} {', '.join(names)}, int8 per-token activations; the rest in {dense}"
+    acts = "int8 activations per group" if all(g.weight.act_groups for g in qc.groups) else "int8 per-token activations"
+    return f"{qc.label} {', '.join(names)}, {acts}; the rest in {dense}"
 
 
 def _float_op_kernels(spec: ModelSpec) -> dict[str, str]:

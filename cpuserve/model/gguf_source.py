@@ -55,6 +55,11 @@ class GGUFTensor:
     n_bytes: int
 
 
+def _hf_of(t: GGUFTensor) -> str:
+    """The HF name the file's own tensor has (an alias carries another)."""
+    return "model.embed_tokens.weight" if t.gguf_name == "token_embd.weight" else t.hf_name
+
+
 def _is_linear(hf_name: str) -> bool:
     module = hf_name.removesuffix(".weight")
     return hf_name.endswith(".weight") and module.endswith(_LINEAR_SUFFIXES)
@@ -109,6 +114,9 @@ class GGUFCheckpoint:
                     self._virtual[f"{prefix}.{part}"] = (name, part)
             else:
                 self._virtual[name] = (name, "float")
+        # Checkpoint names that repeat another tensor's data (a tied head read from the embedding):
+        # memory of their own once packed, but no parameters of their own.
+        self.aliases = {n for n, (base, _) in self._virtual.items() if table[base].hf_name != _hf_of(table[base])}
         self._decoded: tuple[str, DecodedWeight] | None = None
         self._fd: int | None = None
         self.format_description = f"GGUF ({path.name}: {', '.join(sorted({t.kind for t in table.values()}))})"
