@@ -131,7 +131,7 @@ def load_model(
                 f"{model_dir}: tensor '{missing[0]}' is missing"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 + f" for {spec.architecture}"
-                + (f" with {qc.label} quantization" if qc else "")
+                + (f" with {(spec.quantization_config or {}).get('format') or qc.label} quantization" if qc else "")
             )
         extra = [n for n in ckpt.names() if n not in expected and n not in linear_tensors and not _IGNORED.search(n)]
         if spec.tie_word_embeddings and "lm_head.weight" in extra:
