@@ -21,7 +21,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,6 @@ class GGUFTensor:
     shape: tuple[int, ...]
     offset: int
     n_bytes: int
-
-
-def _hf_of(t: GGUFTensor) -> str:
-    """The HF name the file's own tensor has (an alias carries another)."""
-    return "model.embed_tokens.weight" if t.gguf_name == "token_embd.weight" else t.hf_name
 
 
 def _is_linear(hf_name: str) -> bool:
@@ -101,22 +96,25 @@ def gguf_quant_config(table: dict[str, GGUFTensor], source: str) -> QuantConfig 
 class GGUFCheckpoint:
     """The loader's checkpoint protocol over a GGUF file (names, shapes, dtypes, get)."""
 
-    def __init__(self, path: Path, table: dict[str, GGUFTensor], rows_of: Any) -> None:
+    def __init__(
+        self, path: Path, table: dict[str, GGUFTensor], rows_of: Any, aliased: frozenset[str] | set[str] = frozenset()
+    ) -> None:
         """rows_of(hf_name, array) puts an array in HF's layout (offline/gguf_convert.py's rules; for a
         quantized linear, the values, scales and offsets alike, whose rows are output channels)."""
         self.path, self.table, self._rows_of = path, table, rows_of
         self._virtual: dict[str, tuple[str, str]] = {}  # checkpoint name -> (weight name, part)
         for name, t in table.items():
-            if _is_linear(name) and linear_scheme(t.kind) is not None:
+            quant = linear_scheme(t.kind) if _is_linear(name) else None
+            if quant is not None:
                 prefix = name.removesuffix(".weight")
-                parts = ["weight", "weight_scale"] + (["weight_offset"] if linear_scheme(t.kind).offsets else [])
+                parts = ["weight", "weight_scale"] + (["weight_offset"] if quant.offsets else [])
                 for part in parts:
                     self._virtual[f"{prefix}.{part}"] = (name, part)
             else:
                 self._virtual[name] = (name, "float")
         # Checkpoint names that repeat another tensor's data (a tied head read from the embedding):
         # memory of their own once packed, but no parameters of their own.
-        self.aliases = {n for n, (base, _) in self._virtual.items() if table[base].hf_name != _hf_of(table[base])}
+        self.aliases = {n for n, (base, _) in self._virtual.items() if base in aliased}
         self._decoded: tuple[str, DecodedWeight] | None = None
         self._fd: int | None = None
         self.format_description = f"GGUF ({path.name}: {', '.join(sorted({t.kind for t in table.values()}))})"
@@ -294,11 +292,13 @@ def open_gguf_weights(gguf_path: Path, spec: Any) -> tuple[QuantConfig | None, G
     arch = gguf_architecture(header.metadata, gguf_path)
     table = read_tensor_table(header, lambda name: hf_name(name, arch))
     embedding = table.get("model.embed_tokens.weight")
+    aliased: set[str] = set()  # tensors that repeat another's data
     if not spec.tie_word_embeddings and "lm_head.weight" not in table and embedding is not None:
         # A tied file whose directory says untied (make_model_dir): the head is the embedding's own
         # quantized data on the kernels, as llama.cpp runs it, not a float matmul over the vocabulary.
-        table["lm_head.weight"] = GGUFTensor(**{**embedding.__dict__, "hf_name": "lm_head.weight"})
-    checkpoint = GGUFCheckpoint(gguf_path, table, _in_hf_layout(arch, table, spec))
+        table["lm_head.weight"] = replace(embedding, hf_name="lm_head.weight")
+        aliased.add("lm_head.weight")
+    checkpoint = GGUFCheckpoint(gguf_path, table, _in_hf_layout(arch, table, spec), aliased)
     return gguf_quant_config(table, str(gguf_path)), checkpoint
 
 

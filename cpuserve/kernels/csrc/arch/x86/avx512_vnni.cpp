@@ -31,6 +31,37 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void store_panels(float* out, co
   }
 }
 
+// The grouped blocks' float side (W4A8, grouped W8A8): group g's int32 sums folded into the float
+// sums (times the token's group scale when activations are scaled per group: PG), and at the end the
+// sums stored, times the token scale unless PG. The panel twin's fmas, in its order.
+template <int R, int P, bool PG>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(const PanelRun& run,
+                                                                              const __m512i (&acc)[R][P],
+                                                                              const float* sp, int64_t groups,
+                                                                              int64_t g, const float* sa,
+                                                                              __m512 (&facc)[R][P]) {
+  for (int i = 0; i < P; ++i) {
+    const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
+                                           sp + i * kPanel * groups + g * run.width[i]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sr = PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s;
+      facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), sr, facc[r][i]);
+    }
+  }
+}
+
+template <int R, int P, bool PG>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void store_group(const PanelRun& run,
+                                                                               const __m512 (&facc)[R][P],
+                                                                               const float* sa, float* out,
+                                                                               int64_t n) {
+  for (int r = 0; r < R; ++r) {
+    __m512 v[P];
+    for (int i = 0; i < P; ++i) v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
+    store_panels<P>(out + r * n, v, run.store_last);
+  }
+}
+
 // W8A8: R rows (qa [R, K], row sums asum) x P panels -> out rows (stride n), scaled by column scales sw
 // (of the run's columns) and row scales sa: (float(dot) * sw[c]) * sa[r], the twin's epilogue.
 template <int R, int P>
@@ -77,19 +108,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
         const __m512i w = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
         for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], w, broadcast4(qa + r * k + 4 * j));
       }
-    for (int i = 0; i < P; ++i) {
-      const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
-                                             sp + i * kPanel * groups + g * run.width[i]);
-      for (int r = 0; r < R; ++r)
-        facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s,
-                                     facc[r][i]);
-    }
+    fold_group<R, P, PG>(run, acc, sp, groups, g, sa, facc);
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 v[P];
-    for (int i = 0; i < P; ++i) v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
-    store_panels<P>(out + r * n, v, run.store_last);
-  }
+  store_group<R, P, PG>(run, facc, sa, out, n);
 }
 
 // W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels; sp: the run's scales in panel
@@ -118,19 +139,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
           acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], hi, broadcast4(qa + r * k + 8 * j + 4));
         }
       }
-    for (int i = 0; i < P; ++i) {
-      const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
-                                             sp + i * kPanel * groups + g * run.width[i]);
-      for (int r = 0; r < R; ++r)
-        facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s,
-                                     facc[r][i]);
-    }
+    fold_group<R, P, PG>(run, acc, sp, groups, g, sa, facc);
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 v[P];
-    for (int i = 0; i < P; ++i) v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
-    store_panels<P>(out + r * n, v, run.store_last);
-  }
+  store_group<R, P, PG>(run, facc, sa, out, n);
 }
 
 struct U8Panels {

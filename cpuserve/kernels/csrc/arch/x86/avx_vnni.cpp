@@ -57,22 +57,9 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
           for (int r = 0; r < R; ++r)
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
         }
-    for (int i = 0; i < P; ++i)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
-        for (int r = 0; r < R; ++r)
-          _mm256_store_ps(facc[r][i][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
-                                          PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
-                                          _mm256_load_ps(facc[r][i][h])));
-      }
+    fold_group_halves<R, P, PG>(run, acc, sp, groups, g, sa, facc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < P; ++i)
-      for (int h = 0; h < 2; ++h)
-        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   PG ? _mm256_load_ps(facc[r][i][h])
-                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+  store_group_halves<R, P, PG>(run, facc, sa, out, n);
 }
 
 template <int R, int P, bool PG>
@@ -97,22 +84,9 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));
           }
         }
-    for (int i = 0; i < P; ++i)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
-        for (int r = 0; r < R; ++r)
-          _mm256_store_ps(facc[r][i][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
-                                          PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
-                                          _mm256_load_ps(facc[r][i][h])));
-      }
+    fold_group_halves<R, P, PG>(run, acc, sp, groups, g, sa, facc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < P; ++i)
-      for (int h = 0; h < 2; ++h)
-        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   PG ? _mm256_load_ps(facc[r][i][h])
-                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+  store_group_halves<R, P, PG>(run, facc, sa, out, n);
 }
 
 struct U8Panels {

@@ -44,4 +44,34 @@ __attribute__((target(CPK_AVX2_TARGET))) inline __m256 load_scales_half(const Pa
   return _mm256_maskload_ps(s, lanes_below(run.width[i] - 8 * h));
 }
 
+// The grouped blocks' float side, shared by every 256-bit grouped kernel (W4A8, grouped W8A8): group
+// g's int32 sums folded into the float sums in memory (facc += float(acc) * s, s the group's weight
+// scales, times the token's group scale when activations are scaled per group: PG), and at the end
+// the float sums stored, times the token scale unless PG. The panel twin's fmas, in its order.
+template <int R, int P, bool PG>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_group_halves(
+    const PanelRun& run, const __m256i (&acc)[R][P][2], const float* sp, int64_t groups, int64_t g, const float* sa,
+    float (&facc)[R][P][2][8]) {
+  for (int i = 0; i < P; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+      for (int r = 0; r < R; ++r)
+        _mm256_store_ps(facc[r][i][h],
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
+                                        PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
+                                        _mm256_load_ps(facc[r][i][h])));
+    }
+}
+
+template <int R, int P, bool PG>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void store_group_halves(
+    const PanelRun& run, const float (&facc)[R][P][2][8], const float* sa, float* out, int64_t n) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i)
+      for (int h = 0; h < 2; ++h)
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
+                   PG ? _mm256_load_ps(facc[r][i][h])
+                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+}
+
 }  // namespace cpk
