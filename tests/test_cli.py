@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,18 @@ def test_gguf_argument_is_served_from_the_file(tmp_path):
     second = _run(args)
     assert second.returncode == 0 and "metadata once" not in second.stderr
     assert first.stdout == second.stdout  # greedy: same text both times
+
+
+def test_quantize_without_a_source_quantizes_the_bundled_model(cache_dir, smol_dir, tmp_path):
+    """The bundled model is a GGUF: quantize takes its float conversion (the cached one), never the
+    GGUF serving directory (which holds no safetensors), and writes a checkpoint that serves."""
+    out = tmp_path / "w8a8"
+    proc = _run(["quantize", "--scheme", "w8a8", str(out)], {"CPUSERVE_CACHE_DIR": str(cache_dir)})
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    gen = _run(["generate", str(out), "--prompt", "The capital of France is", "--max-tokens", "4"])
+    assert gen.returncode == 0 and "Paris" in gen.stdout, gen.stderr
 
 
 def test_invalid_flags_are_user_errors(smol_dir):

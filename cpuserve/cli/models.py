@@ -102,11 +102,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from cpuserve.model.resolve import resolve_model
+    from cpuserve.model.resolve import resolve_hf_model
     from cpuserve.offline.calibrate import CalibrationOptions
     from cpuserve.offline.quantize import quantize_checkpoint
 
-    src = resolve_model(args.src, args.cache_dir)
+    src = resolve_hf_model(args.src, args.cache_dir)  # float weights: a GGUF (the bundled one) converted once
     ignore = None if args.ignore is None else [i for part in args.ignore for i in part.split(",") if i]
     out = quantize_checkpoint(
         src,
