@@ -14,6 +14,7 @@ from cpuserve.platform.machine import Machine
 from cpuserve.platform.overrides import read_overrides
 from cpuserve.platform.plan import GiB, plan_kernel, plan_threads
 from cpuserve.platform.sysfs import format_cpulist
+from cpuserve.vllm_plugin.status import plugin_report, render_plugin
 
 
 def _gib(n: int) -> str:
@@ -60,6 +61,7 @@ def build_report(
         problems.append(str(exc))
         return report
     report["environment"] = {"used": dict(ov.sources), "not_needed": dict(ov.not_needed)}
+    report["vllm_plugin"] = plugin_report(env)
     for name, step in (("threads", lambda: plan_threads(cpu, res, ov)), ("kernel", lambda: plan_kernel(cpu, ov))):
         try:
             report["decisions"][name] = step().__dict__
@@ -138,6 +140,9 @@ def render_text(report: dict[str, Any]) -> str:
             f"  KV cache     {mem['kv_tokens']} tokens at {mem['kv_bytes_per_token'] / 1024:.1f} KiB/token "
             f"({mem['reason']}); longest context {mem['longest_context']}"
         )
+    if "vllm_plugin" in report:
+        lines.append("vllm plugin")
+        lines.extend(render_plugin(report["vllm_plugin"]))
     env = report.get("environment") or {}
     if env.get("used") or env.get("not_needed"):
         lines.append("environment")

@@ -11,9 +11,9 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
+from cpuserve.cache_dir import cache_dir
 from cpuserve.errors import CheckpointError
 from cpuserve.model.gguf_source import POINTER_FILE, make_model_dir, read_pointer
 from cpuserve.offline.gguf_convert import convert_gguf
@@ -29,16 +29,6 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"  # the served model name when no model is
 CONVERTER_VERSION = 1
 # Bump when what a GGUF's serving directory holds changes (config, tokenizer files).
 GGUF_DIR_VERSION = 2
-
-
-def cache_dir(override: str | None = None) -> Path:
-    """--cache-dir, else $CPUSERVE_CACHE_DIR, else $XDG_CACHE_HOME/cpuserve, else ~/.cache/cpuserve."""
-    if override:
-        return Path(override).expanduser()
-    if os.environ.get("CPUSERVE_CACHE_DIR"):
-        return Path(os.environ["CPUSERVE_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "cpuserve"
 
 
 def bundled_gguf() -> Path:

