@@ -116,6 +116,10 @@ def test_without_the_plugin_vllm_keeps_its_own_kernels(checkpoints, tmp_path):
     assert "cpuserve" not in log
     _, kernels, _ = _dump(checkpoints["w4a8-pack-g32"], tmp_path, env)
     assert set(kernels.values()) == {"CPUWNA16LinearKernel"}
+    # CPUSERVE_VLLM_SCHEMES=w4a8: the plugin loads but leaves W8A8 to vLLM's int8 kernel
+    tensors, kernels, log = _dump(checkpoints["w8a8"], tmp_path, {"CPUSERVE_VLLM_SCHEMES": "w4a8"})
+    assert not tensors and set(kernels.values()) == {"CPUInt8ScaledMMLinearKernel"}
+    assert "cpuserve plugin took 0 linears" in log
 
 
 def test_weight_only_int4_layers_are_left_to_vllm(checkpoints, tmp_path):

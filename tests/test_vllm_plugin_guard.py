@@ -51,3 +51,17 @@ def test_doctor_says_whether_vllm_would_load_the_plugin_and_what_it_last_did(fre
     assert "excluded (VLLM_PLUGINS=lora_filesystem_resolver)" in text
     assert "inactive: vLLM 0.1.0 is not a version this plugin was tested with" in text
     assert plugin_report({})["loads"] and plugin_report({"VLLM_PLUGINS": "a,cpuserve"})["loads"]
+
+
+def test_the_schemes_it_takes_are_chosen_by_environment_and_bad_values_are_refused(fresh, monkeypatch, caplog):
+    assert plugin.schemes_wanted({}) == ("w4a8", "w8a8")
+    assert plugin.schemes_wanted({"CPUSERVE_VLLM_SCHEMES": " W4A8 "}) == ("w4a8",)
+    for bad in ("w4a16", "", "w8a8,int3"):
+        with pytest.raises(ValueError, match="expected a comma-separated subset of w4a8, w8a8"):
+            plugin.schemes_wanted({"CPUSERVE_VLLM_SCHEMES": bad})
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setenv("CPUSERVE_VLLM_SCHEMES", "w4a16")
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.cpuserve"):
+        plugin.register()  # an error in the log and vLLM's own path, never a crash
+    assert any(r.levelno == logging.ERROR and "CPUSERVE_VLLM_SCHEMES='w4a16'" in r.getMessage() for r in caplog.records)
+    assert read_status()["active"] is False

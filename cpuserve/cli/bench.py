@@ -100,6 +100,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bst.add_argument("--repeats", type=int, default=3, help="constrained/unconstrained pairs, order alternating")
     bst.add_argument("--json", action="store_true", help="machine-readable output")
     bst.set_defaults(func=cmd_bench_structured)
+    bv = bench_sub.add_parser(
+        "vllm", help="one checkpoint: vLLM's own kernels vs vLLM + the cpuserve plugin vs cpuserve serve"
+    )
+    bv.add_argument("model", help="a compressed-tensors checkpoint directory")
+    bv.add_argument("--vllm-python", required=True, help="the python of a vLLM CPU environment (./run vllm-env)")
+    bv.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
+    bv.add_argument("--decode", type=int, default=32, help="new tokens for the decode measurement")
+    bv.add_argument("--repeats", type=int, default=2, help="prefill repeats (median)")
+    bv.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    bv.add_argument("--timeout", type=float, default=1800, help="seconds allowed per request and per start")
+    bv.set_defaults(func=cmd_bench_vllm)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -293,3 +304,26 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
     }
     print(result_json(result) if args.json else render(result))
     return 0 if result["decode"]["same_token_count"] else 1
+
+
+def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+    import tempfile
+
+    from cpuserve.bench.vllm_bench import render, run_vllm_bench
+    from cpuserve.kernels import selected_variant_name
+
+    model, vllm_python = Path(args.model), Path(args.vllm_python)
+    if not (model / "config.json").is_file():
+        raise CpuserveError(f"bench vllm: {model} is not a checkpoint directory (no config.json)")
+    if not vllm_python.is_file():
+        raise CpuserveError(f"bench vllm: --vllm-python {vllm_python} does not exist (./run vllm-env makes one)")
+    with tempfile.TemporaryDirectory() as work:
+        results = run_vllm_bench(
+            model, vllm_python, args.prompt, args.decode, args.repeats, args.enforce_eager, args.timeout, Path(work)
+        )
+    command = "cpuserve bench vllm " + shlex.join(sys.argv[3:])
+    print(render(results, command))
+    print(f"\nhost ISA: {selected_variant_name()}")
+    return 0

@@ -147,7 +147,7 @@ def _decline(reason: str) -> tuple[bool, str]:
     return False, f"cpuserve: {reason}"
 
 
-def _mp_classes() -> tuple[type, type]:
+def _kernel_classes() -> tuple[type, type]:
     from vllm.model_executor.kernels.linear import MPLinearKernel, MPLinearLayerConfig
     from vllm.scalar_type import scalar_types
 
@@ -263,8 +263,8 @@ def _pack_quantized_acts(scheme: Any) -> Activations:
     return Activations(q.num_bits == 8, bool(q.dynamic), strategy == "token", bool(q.symmetric))
 
 
-def install(kernel: KernelChoice) -> None:
-    """Put both kernels first in vLLM's CPU lists and mark the W4A8 schemes' layers."""
+def install(kernel: KernelChoice, schemes: tuple[str, ...] = ("w4a8", "w8a8")) -> None:
+    """Put the kernels of `schemes` first in vLLM's CPU lists and mark the W4A8 schemes' layers."""
     global _kernel
     from vllm.model_executor.kernels import linear as vllm_linear
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
@@ -277,8 +277,13 @@ def install(kernel: KernelChoice) -> None:
     from vllm.platforms import PlatformEnum
 
     _kernel = kernel
-    w4a8, int8 = _mp_classes()
-    for cls, kind, table in ((w4a8, "mp", "_POSSIBLE_KERNELS"), (int8, "int8", "_POSSIBLE_INT8_KERNELS")):
+    w4a8, int8 = _kernel_classes()
+    for scheme, cls, kind, table in (
+        ("w4a8", w4a8, "mp", "_POSSIBLE_KERNELS"),
+        ("w8a8", int8, "int8", "_POSSIBLE_INT8_KERNELS"),
+    ):
+        if scheme not in schemes:
+            continue
         vllm_linear.register_linear_kernel(cls, PlatformEnum.CPU, kind)
         kernels = getattr(vllm_linear, table)[PlatformEnum.CPU]  # registration appends: ours goes first
         kernels.insert(0, kernels.pop(kernels.index(cls)))
