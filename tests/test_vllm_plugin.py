@@ -113,7 +113,7 @@ def test_without_the_plugin_vllm_keeps_its_own_kernels(checkpoints, tmp_path):
     env = {"VLLM_PLUGINS": "lora_filesystem_resolver"}
     tensors, kernels, log = _dump(checkpoints["w4a8-int-g64"], tmp_path, env)
     assert not tensors and set(kernels.values()) == {"Dynamic4bitLinearKernel"}
-    assert "cpuserve" not in log
+    assert "cpuserve plugin" not in log
     _, kernels, _ = _dump(checkpoints["w4a8-pack-g32"], tmp_path, env)
     assert set(kernels.values()) == {"CPUWNA16LinearKernel"}
     # CPUSERVE_VLLM_SCHEMES=w4a8: the plugin loads but leaves W8A8 to vLLM's int8 kernel
@@ -147,14 +147,15 @@ def _free_port() -> int:
 class VllmServer:
     def __init__(self, ckpt: Path, log_path: Path, cache: Path, eager: bool = True) -> None:
         self.port, self.log_path = _free_port(), log_path
-        cmd = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_cli.py"), "serve", str(ckpt)]
+        cmd = [str(VLLM_PYTHON), "-m", "cpuserve.vllm_plugin.cli", "serve", str(ckpt)]
         cmd += ["--enforce-eager"] if eager else []
         cmd += ["--dtype", "float32", "--port", str(self.port), "--max-model-len", "1024"]
         self.started = time.monotonic()
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 cmd,
-                env={**_vllm_env(), "CPUSERVE_CACHE_DIR": str(cache)},
+                # its own compile cache: a graph compiled by another run is never reused
+                env={**_vllm_env(), "CPUSERVE_CACHE_DIR": str(cache), "VLLM_CACHE_ROOT": str(cache / "vllm")},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -272,12 +273,14 @@ def test_vllm_serve_with_the_plugin_agrees_with_cpuserve(kind, scheme, checkpoin
 
 def test_vllm_serve_compiled_runs_the_plugin_as_an_opaque_op(checkpoints, tmp_path):
     """vLLM's default (no --enforce-eager) compiles the model with torch.compile: each cpuserve
-    linear is one custom op (cpuserve::vllm_linear) in the graph, and the answers are those of the
-    eager run (same kernels, same float order around them in fp32 up to inductor's fusions)."""
+    linear is one custom op (cpuserve::int_linear) in the compiled graph, and the greedy answers are
+    the eager run's up to a near tie (inductor fuses the float ops around the linears differently)."""
     ckpt = checkpoints["w4a8-pack-g32"]
     runs = {}
     for eager in (True, False):
-        server = VllmServer(ckpt, tmp_path / f"vllm-{eager}.log", tmp_path, eager=eager)
+        cache = tmp_path / f"eager-{eager}"
+        cache.mkdir()
+        server = VllmServer(ckpt, cache / "vllm.log", cache, eager=eager)
         try:
             runs[eager] = [server.greedy(ckpt, p) for p in PROMPTS]
         finally:
@@ -285,7 +288,12 @@ def test_vllm_serve_compiled_runs_the_plugin_as_an_opaque_op(checkpoints, tmp_pa
         assert "cpuserve plugin took 120 linears" in server.log()
         assert "Dynamo does not know how to trace" not in server.log()
         print(f"vllm serve eager={eager}: healthy after {server.startup_s:.1f} s")
-    for (e_ids, e_lp, _), (c_ids, c_lp, _) in zip(runs[True], runs[False], strict=True):
-        assert e_ids[:4] == c_ids[:4]
-        gaps = [abs(a - b) for a, b in zip(e_lp[:4], c_lp[:4], strict=True)]
-        assert max(gaps) < TIE_BUDGET, gaps
+    graphs = [f.read_text(errors="replace") for f in (tmp_path / "eager-False" / "vllm").rglob("*.py")]
+    assert sum(g.count("cpuserve.int_linear") for g in graphs) >= 120, "the compiled graphs do not call the op"
+    for (e_ids, _, e_top), (c_ids, _, c_top) in zip(runs[True], runs[False], strict=True):
+        d = next((i for i, (a, b) in enumerate(zip(e_ids, c_ids, strict=True)) if a != b), NEW_TOKENS)
+        print(f"compiled vs eager: greedy tokens equal up to {d} of {NEW_TOKENS}")
+        if d < NEW_TOKENS:
+            assert c_ids[d] in e_top[d] and e_ids[d] in c_top[d], d
+            assert e_top[d][e_ids[d]] - e_top[d][c_ids[d]] < TIE_BUDGET
+            assert c_top[d][c_ids[d]] - c_top[d][e_ids[d]] < TIE_BUDGET

@@ -51,6 +51,7 @@ def test_doctor_says_whether_vllm_would_load_the_plugin_and_what_it_last_did(fre
     assert "excluded (VLLM_PLUGINS=lora_filesystem_resolver)" in text
     assert "inactive: vLLM 0.1.0 is not a version this plugin was tested with" in text
     assert plugin_report({})["loads"] and plugin_report({"VLLM_PLUGINS": "a,cpuserve"})["loads"]
+    assert not plugin_report({"VLLM_PLUGINS": "a, cpuserve"})["loads"]  # vLLM strips no spaces
 
 
 def test_the_schemes_it_takes_are_chosen_by_environment_and_bad_values_are_refused(fresh, monkeypatch, caplog):

@@ -26,11 +26,10 @@ def dump(model) -> dict:  # type: ignore[no-untyped-def]
         kernel = getattr(scheme, "kernel", None) if scheme is not None else None
         if kernel is not None:
             kernels[name] = type(kernel).__name__
-        lin = getattr(module, "_cpuserve_linear", None)
-        if lin is None or method is None:
-            continue
+        if getattr(module, "cpuserve_op", None) is None or method is None:
+            continue  # not taken by the plugin
         g = torch.Generator().manual_seed(len(tensors))
-        x = torch.randn(5, lin.in_features, generator=g) * 3
+        x = torch.randn(5, module.input_size_per_partition, generator=g) * 3
         x[:, 7] *= 40  # an outlier channel, as real activations have
         tensors[f"{name}.x"] = x
         for dtype in (torch.float32, torch.bfloat16):

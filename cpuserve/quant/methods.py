@@ -272,8 +272,14 @@ class IntWeightMethod:
             w = w + layer.offsets.unsqueeze(-1)
         return w.view(n, k)
 
-    def _int8_kernel_scales(self, layer: Any) -> torch.Tensor:
-        return layer.kernel_scales if layer.kernel_scales is not None else layer.scales.view(-1)
+    def kernel_operands(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed weight and the scales in the kernel's order, as w8a8_linear / w4a8_linear and
+        NativeLinear take them (also the vLLM plugin's custom op, vllm_plugin/kernels.py)."""
+        if self.quant.bits == 4:
+            return layer.packed, layer.kernel_scales
+        weight = layer.qweight if layer.qweight is not None else layer.packed
+        scales = layer.kernel_scales if layer.kernel_scales is not None else layer.scales.view(-1)
+        return weight, scales
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         kernel = layer.kernel
@@ -283,29 +289,19 @@ class IntWeightMethod:
             )
         lead = x.shape[:-1]
         x2 = x.reshape(-1, layer.in_features)
-        mod = kernel.kernels
-        if self.quant.bits == 4:
-            y = mod.w4a8_linear(
-                x2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
-            )
-        else:
-            weight = layer.qweight if layer.qweight is not None else layer.packed
-            scales = self._int8_kernel_scales(layer)
-            y = mod.w8a8_linear(x2, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups)
+        linear = kernel.kernels.w4a8_linear if self.quant.bits == 4 else kernel.kernels.w8a8_linear
+        weight, scales = self.kernel_operands(layer)
+        y = linear(x2, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups)
         return y.view(*lead, layer.out_features)
 
     def native_linear(self, layer: Any, kernels: Any) -> Any | None:
         kernel = layer.kernel
         if kernel is None:
             return None
-        if self.quant.bits == 8:
-            weight = layer.qweight if layer.qweight is not None else layer.packed
-            scales = self._int8_kernel_scales(layer)
-            return kernels.NativeLinear(
-                1, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
-            )
+        weight, scales = self.kernel_operands(layer)
+        kind = 2 if self.quant.bits == 4 else 1
         return kernels.NativeLinear(
-            2, layer.packed, layer.kernel_scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
+            kind, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
         )
 
 

@@ -81,7 +81,9 @@ def register() -> None:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            log.info("cpuserve plugin inactive: the platform is %s, not CPU", current_platform.device_name)
+            reason = f"the platform is {current_platform.device_name}, not CPU"
+            log.info("cpuserve plugin inactive: %s", reason)
+            record_inactive(version, reason)
             return
         from cpuserve.quant.methods import select_kernel
 

@@ -67,7 +67,7 @@ def plugin_report(env: Mapping[str, str]) -> dict[str, Any]:
 
     entry = any(ep.name == PLUGIN_NAME for ep in md.entry_points(group="vllm.general_plugins"))
     allowed = env.get("VLLM_PLUGINS")
-    loads = allowed is None or PLUGIN_NAME in [p.strip() for p in allowed.split(",")]
+    loads = allowed is None or PLUGIN_NAME in allowed.split(",")  # as vLLM reads it: no spaces stripped
     why = "VLLM_PLUGINS unset: every installed plugin loads" if allowed is None else f"VLLM_PLUGINS={allowed}"
     return {
         "entry_point": entry,
