@@ -4,7 +4,8 @@
 Three kinds of evidence:
 - every linear the plugin takes inside vLLM gives bit-for-bit the output of cpuserve's own layer
   loaded from the same checkpoint, in fp32 and bf16 (offline vLLM, tests/vllm_linear_dump.py);
-- `vllm serve` with the plugin: the log says how many linears it took, doctor reads the record,
+- `vllm serve` with the plugin (eager, and compiled as vLLM's default is): the log says how many
+  linears it took, doctor reads the record,
   and greedy text agrees with cpuserve's engine up to a first divergence that is a near tie in both
   engines' logits. Equality of all 32 tokens is not expected: with int8 per-token activations a
   float-order difference anywhere (vLLM's attention and norms against cpuserve's) flips a few
@@ -204,21 +205,28 @@ class VllmServer:
 
 
 @pytest.mark.parametrize(
-    "kind,scheme", [("w8a8", "W8A8-channel"), ("w4a8-int-g64", "W4A8-G64"), ("w4a8-pack-g32", "W4A8-G32 packed")]
+    "kind,scheme,eager",
+    [("w8a8", "W8A8-channel", True), ("w4a8-int-g64", "W4A8-G64", True), ("w4a8-pack-g32", "W4A8-G32 packed", False)],
 )
-def test_vllm_serve_with_the_plugin_agrees_with_cpuserve(kind, scheme, checkpoints, tmp_path, monkeypatch):
+def test_vllm_serve_with_the_plugin_agrees_with_cpuserve(kind, scheme, eager, checkpoints, tmp_path, monkeypatch):
+    """eager=False is vLLM's default: torch.compile, each cpuserve linear one custom op
+    (cpuserve::int_linear) in the compiled graph (inductor fuses the float ops around it)."""
     from cpuserve.engine.llm import LLM
     from cpuserve.engine.sampling_params import SamplingParams
 
     ckpt = checkpoints[kind]
-    server = VllmServer(ckpt, tmp_path / "vllm.log", tmp_path)
+    server = VllmServer(ckpt, tmp_path / "vllm.log", tmp_path, eager=eager)
     try:
         answers = [server.greedy(ckpt, p) for p in PROMPTS]
     finally:
         server.stop()
     log = server.log()
     assert f"cpuserve plugin took 120 linears (120 {scheme})" in log, log[-3000:]
-    print(f"vllm serve {kind}: healthy after {server.startup_s:.1f} s")
+    print(f"vllm serve {kind} (eager={eager}): healthy after {server.startup_s:.1f} s")
+    if not eager:
+        assert "Dynamo does not know how to trace" not in log
+        graphs = [f.read_text(errors="replace") for f in (tmp_path / "vllm").rglob("*.py")]
+        assert sum(g.count("cpuserve.int_linear") for g in graphs) >= 120, "the compiled graphs do not call the op"
 
     # doctor reads what the plugin recorded in that vLLM process
     doctor = subprocess.run(
@@ -269,31 +277,3 @@ def test_vllm_serve_with_the_plugin_agrees_with_cpuserve(kind, scheme, checkpoin
         f"{kind}: mean |logprob difference| vLLM+plugin vs cpuserve {vllm_gap:.3f}, cpuserve vs itself {own_noise:.3f}"
     )
     assert vllm_gap <= NOISE_FACTOR * own_noise + NOISE_FLOOR, (vllm_gap, own_noise)
-
-
-def test_vllm_serve_compiled_runs_the_plugin_as_an_opaque_op(checkpoints, tmp_path):
-    """vLLM's default (no --enforce-eager) compiles the model with torch.compile: each cpuserve
-    linear is one custom op (cpuserve::int_linear) in the compiled graph, and the greedy answers are
-    the eager run's up to a near tie (inductor fuses the float ops around the linears differently)."""
-    ckpt = checkpoints["w4a8-pack-g32"]
-    runs = {}
-    for eager in (True, False):
-        cache = tmp_path / f"eager-{eager}"
-        cache.mkdir()
-        server = VllmServer(ckpt, cache / "vllm.log", cache, eager=eager)
-        try:
-            runs[eager] = [server.greedy(ckpt, p) for p in PROMPTS]
-        finally:
-            server.stop()
-        assert "cpuserve plugin took 120 linears" in server.log()
-        assert "Dynamo does not know how to trace" not in server.log()
-        print(f"vllm serve eager={eager}: healthy after {server.startup_s:.1f} s")
-    graphs = [f.read_text(errors="replace") for f in (tmp_path / "eager-False" / "vllm").rglob("*.py")]
-    assert sum(g.count("cpuserve.int_linear") for g in graphs) >= 120, "the compiled graphs do not call the op"
-    for (e_ids, _, e_top), (c_ids, _, c_top) in zip(runs[True], runs[False], strict=True):
-        d = next((i for i, (a, b) in enumerate(zip(e_ids, c_ids, strict=True)) if a != b), NEW_TOKENS)
-        print(f"compiled vs eager: greedy tokens equal up to {d} of {NEW_TOKENS}")
-        if d < NEW_TOKENS:
-            assert c_ids[d] in e_top[d] and e_ids[d] in c_top[d], d
-            assert e_top[d][e_ids[d]] - e_top[d][c_ids[d]] < TIE_BUDGET
-            assert c_top[d][c_ids[d]] - c_top[d][e_ids[d]] < TIE_BUDGET
