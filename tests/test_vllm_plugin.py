@@ -72,10 +72,10 @@ def checkpoints(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     }
 
 
-def _dump(ckpt: Path, tmp: Path, env_extra: dict[str, str] | None = None) -> tuple[dict, dict, str]:
+def _dump(ckpt: Path, tmp: Path, env_extra: dict[str, str] | None = None, *flags: str) -> tuple[dict, dict, str]:
     tensors, kernels = tmp / f"{ckpt.name}.safetensors", tmp / f"{ckpt.name}.json"
     proc = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_linear_dump.py"), str(ckpt), str(tensors), str(kernels)],
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_linear_dump.py"), str(ckpt), str(tensors), str(kernels), *flags],
         env={**_vllm_env(), "CPUSERVE_CACHE_DIR": str(tmp), **(env_extra or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,  # vLLM logs to stdout
@@ -105,6 +105,42 @@ def test_every_linear_in_vllm_is_bit_identical_to_cpuserves_own(kind, checkpoint
             theirs = tensors[f"{name}.y.{str(dtype).split('.')[-1]}"]
             mine = ours[name](x.to(dtype)).float()
             assert torch.equal(mine, theirs), (name, dtype, (mine - theirs).abs().max().item())
+
+
+@pytest.mark.parametrize("scheme,group,pack", [("w8a8", None, False), ("w4a8", 32, True)])
+def test_layers_with_a_bias_are_bit_identical_too(scheme, group, pack, tmp_path):
+    """Qwen2's q/k/v bias: added inside the kernel in fp32, as cpuserve's engine adds it (a tiny
+    random Qwen2 made by transformers, quantized by cpuserve; no tokenizer needed)."""
+    transformers = pytest.importorskip("transformers")
+    from cpuserve.model.loader import load_model
+    from cpuserve.offline.quantize import quantize_checkpoint
+
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 2.0)  # large enough that a missing or misplaced bias shows
+    model.save_pretrained(tmp_path / "float")
+    ckpt = quantize_checkpoint(tmp_path / "float", tmp_path / "quant", scheme, group, pack, progress=False)
+    tensors, kernels, _ = _dump(ckpt, tmp_path, None, "--no-tokenizer")
+    assert len(kernels) == 8 and len([k for k in tensors if k.endswith(".x")]) == 8  # 2 layers x 4 linears
+    ours = dict(load_model(ckpt, "float32").named_modules())
+    assert ours["model.layers.0.self_attn.qkv_proj"].bias is not None
+    for name in kernels:
+        x = tensors[f"{name}.x"]
+        for dtype in (torch.float32, torch.bfloat16):
+            mine = ours[name](x.to(dtype)).float()
+            assert torch.equal(mine, tensors[f"{name}.y.{str(dtype).split('.')[-1]}"]), (name, dtype)
 
 
 def test_without_the_plugin_vllm_keeps_its_own_kernels(checkpoints, tmp_path):

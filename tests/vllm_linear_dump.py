@@ -3,7 +3,7 @@
 inputs; save inputs and outputs (safetensors) for the test to compare with cpuserve's own layers,
 plus the kernel class vLLM chose for every linear.
 
-usage: python vllm_linear_dump.py CHECKPOINT OUT.safetensors OUT.json [--dtype float32]
+usage: python vllm_linear_dump.py CHECKPOINT OUT.safetensors OUT.json [--dtype float32] [--no-tokenizer]
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def dump(model) -> dict:  # type: ignore[no-untyped-def]
         x[:, 7] *= 40  # an outlier channel, as real activations have
         tensors[f"{name}.x"] = x
         for dtype in (torch.float32, torch.bfloat16):
-            y = method.apply(module, x.to(dtype))  # vLLM's own call path: LinearMethod -> scheme -> kernel
+            # as LinearBase.forward calls it: LinearMethod -> scheme -> kernel, with the layer's bias
+            bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
+            y = method.apply(module, x.to(dtype), bias)
             tensors[f"{name}.y.{str(dtype).split('.')[-1]}"] = y.float().contiguous()
     return {"tensors": tensors, "kernels": kernels}
 
@@ -44,7 +46,9 @@ def main() -> int:
 
     ckpt, out_tensors, out_json = sys.argv[1:4]
     dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "float32"
-    llm = LLM(ckpt, enforce_eager=True, dtype=dtype, max_model_len=512)
+    llm = LLM(
+        ckpt, enforce_eager=True, dtype=dtype, max_model_len=256, skip_tokenizer_init="--no-tokenizer" in sys.argv
+    )
     [result] = llm.apply_model(dump)
     save_file(result["tensors"], out_tensors)
     with open(out_json, "w") as f:
