@@ -36,7 +36,9 @@ class BuildPyWithKernels(build_py):
         from cpuserve.kernels.build import BUILT_FOR, build, built_for
 
         library = build()
-        target = Path(self.build_lib) / "cpuserve" / "kernels" / "_build" / library.parent.name
+        builds = Path(self.build_lib) / "cpuserve" / "kernels" / "_build"
+        shutil.rmtree(builds, ignore_errors=True)  # a build/ left by an earlier wheel may hold other libraries
+        target = builds / library.parent.name
         target.mkdir(parents=True, exist_ok=True)
         shutil.copy2(library, target / library.name)
         (target / BUILT_FOR).write_text(json.dumps(built_for()))

@@ -51,17 +51,24 @@ class HttpServer(uvicorn.Server):
                 self.force_exit = True
             return
         engine = self.api.engine
-        log.info(
-            "%s: draining; %d request(s) in flight get up to %.0f s to finish",
-            signal.Signals(sig).name,
-            engine.num_requests,
-            self.timeout,
-        )
         self.api.draining = True
         self.should_exit = True
         self._timer = threading.Timer(self.timeout, engine.cancel_all, args=("the server is shutting down",))
         self._timer.daemon = True
         self._timer.start()
+        # Said from another thread, never from this handler: the signal may have interrupted a write to
+        # the same stream (an access-log line), and a write from here is then a reentrant call that
+        # raises out of the handler (seen: the drain flags never set, the server never exited).
+        threading.Thread(
+            target=log.info,
+            args=(
+                "%s: draining; %d request(s) in flight get up to %.0f s to finish",
+                signal.Signals(sig).name,
+                engine.num_requests,
+                self.timeout,
+            ),
+            daemon=True,
+        ).start()
 
     def stop_for_fatal_error(self, exc: BaseException) -> None:
         """Called on the engine thread: requests were already failed; stop serving and exit 1."""
