@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
+from cpuserve.bench.server_process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -175,15 +176,9 @@ def test_weight_only_int4_layers_are_left_to_vllm(checkpoints, tmp_path):
     assert "cpuserve plugin took 0 linears" in log
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServer:
     def __init__(self, ckpt: Path, log_path: Path, cache: Path, eager: bool = True) -> None:
-        self.port, self.log_path = _free_port(), log_path
+        self.port, self.log_path = free_port(), log_path
         cmd = [str(VLLM_PYTHON), "-m", "cpuserve.vllm_plugin.cli", "serve", str(ckpt)]
         cmd += ["--enforce-eager"] if eager else []
         cmd += ["--dtype", "float32", "--port", str(self.port), "--max-model-len", "1024"]

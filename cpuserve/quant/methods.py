@@ -287,12 +287,18 @@ class IntWeightMethod:
             return reference_forward(
                 x, self.int_weight(layer), layer.scales, layer.bias, layer.offsets, self.quant.act_groups
             )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, layer.in_features)
-        linear = kernel.kernels.w4a8_linear if self.quant.bits == 4 else kernel.kernels.w8a8_linear
         weight, scales = self.kernel_operands(layer)
-        y = linear(x2, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups)
-        return y.view(*lead, layer.out_features)
+        return native_int_linear(
+            kernel,
+            self.quant.bits,
+            x,
+            weight,
+            scales,
+            layer.bias,
+            layer.offsets,
+            self.quant.act_groups,
+            layer.out_features,
+        )
 
     def native_linear(self, layer: Any, kernels: Any) -> Any | None:
         kernel = layer.kernel
@@ -303,6 +309,24 @@ class IntWeightMethod:
         return kernels.NativeLinear(
             kind, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
         )
+
+
+def native_int_linear(
+    kernel: KernelChoice,
+    bits: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    act_groups: bool,
+    out_features: int,
+) -> torch.Tensor:
+    """The native W4A8 / W8A8 linear on IntWeightMethod's kernel operands, any leading shape: what
+    IntWeightMethod.apply runs, and the vLLM plugin's custom op (vllm_plugin/kernels.py)."""
+    linear = kernel.kernels.w4a8_linear if bits == 4 else kernel.kernels.w8a8_linear
+    y = linear(x.reshape(-1, x.shape[-1]), weight, scales, bias, kernel.variant, offsets, act_groups)
+    return y.view(*x.shape[:-1], out_features)
 
 
 def method_for(quant: WeightQuant | None, dtype: torch.dtype) -> DenseMethod | IntWeightMethod:

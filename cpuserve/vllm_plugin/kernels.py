@@ -36,7 +36,7 @@ import torch
 
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.linear import Linear
-from cpuserve.quant.methods import IntWeightMethod, KernelChoice
+from cpuserve.quant.methods import IntWeightMethod, KernelChoice, native_int_linear
 
 log = logging.getLogger("vllm.plugins.cpuserve")
 
@@ -67,32 +67,22 @@ _declined: Counter[str] = Counter()
 _layers: list[str] = []
 
 
+# compressed-tensors schemes have neither GGUF's per-group offsets nor per-group activations, and the
+# variant is the process's (_kernel, chosen once): the op takes tensors, the bit width and the size.
 @torch.library.custom_op(
     "cpuserve::int_linear",
     mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? offsets, int bits, str variant, "
-    "bool act_groups, int out_features) -> Tensor",
+    schema="(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int bits, int out_features) -> Tensor",
 )
 def int_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    offsets: torch.Tensor | None,
-    bits: int,
-    variant: str,
-    act_groups: bool,
-    out_features: int,
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int, out_features: int
 ) -> torch.Tensor:
     """cpuserve's W4A8 / W8A8 native linear on operands packed by IntWeightMethod."""
-    mod = _kernel.kernels
-    linear = mod.w4a8_linear if bits == 4 else mod.w8a8_linear
-    y = linear(x.reshape(-1, x.shape[-1]), weight, scales, bias, mod.variant(variant), offsets, act_groups)
-    return y.view(*x.shape[:-1], out_features)
+    return native_int_linear(_kernel, bits, x, weight, scales, bias, None, False, out_features)
 
 
 @int_linear.register_fake
-def _int_linear_shape(x, weight, scales, bias, offsets, bits, variant, act_groups, out_features):  # type: ignore[no-untyped-def]
+def _int_linear_shape(x, weight, scales, bias, bits, out_features):  # type: ignore[no-untyped-def]
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -107,7 +97,7 @@ def _pack(layer: Any, quant: WeightQuant, fill: Any, n: int, k: int, drop: tuple
     weight, scales = lin.method.kernel_operands(lin)
     layer.register_buffer("cpuserve_weight", weight, persistent=False)
     layer.register_buffer("cpuserve_scales", scales, persistent=False)
-    layer.cpuserve_op = (quant.bits, str(lin.kernel.variant), quant.act_groups, n)
+    layer.cpuserve_op = (quant.bits, n)
     for name in drop:
         old = layer._parameters.get(name)
         if old is not None:
@@ -118,8 +108,8 @@ def _pack(layer: Any, quant: WeightQuant, fill: Any, n: int, k: int, drop: tuple
 
 
 def _apply(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    bits, variant, act_groups, n = layer.cpuserve_op
-    return int_linear(x, layer.cpuserve_weight, layer.cpuserve_scales, bias, None, bits, variant, act_groups, n)
+    bits, n = layer.cpuserve_op
+    return int_linear(x, layer.cpuserve_weight, layer.cpuserve_scales, bias, bits, n)
 
 
 def _decline(reason: str) -> tuple[bool, str]:
