@@ -126,6 +126,7 @@ def render_text(report: dict[str, Any]) -> str:
             f"  format       {f['format']}, {f['architecture']}, {f['layers']} layers, hidden {f['hidden_size']}"
         )
         lines.append(f"  scheme       {f['scheme']}")
+        lines.append(f"  activations  {f['compute_dtype']} ({f['compute_dtype_reason']})")
         for layer, kernel in f["kernels"].items():
             lines.append(f"  kernel       {layer}: {kernel}")
         lines.append(f"  weights      {f['parameters'] / 1e6:.1f} M parameters, {_gib(f['weights_bytes'])}")

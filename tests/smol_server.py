@@ -1,5 +1,5 @@
-"""The float32 server of the bundled model that the API tests start: greedy answers comparable
-across routes and with transformers."""
+"""The float32 server (float head) of the bundled model that the API tests start: greedy answers
+comparable across routes and with transformers."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def smol_server(
 ) -> Iterator[str]:
     """The server's base URL while it runs (`key`: its API key; `flags`: more serve flags)."""
     args = [str(smol_dir), "--dtype", "float32", "--served-model-name", MODEL, "--max-model-len", "2048"]
+    args += ["--quantize-lm-head", "none"]  # greedy answers compared with transformers' float head
     args += ["--max-num-seqs", str(max_num_seqs), *(["--api-key", key] if key else []), *flags]
     with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}, log) as base:
         yield base

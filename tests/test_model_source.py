@@ -36,3 +36,16 @@ def test_the_environment_reaches_the_loader_through_the_overrides(smol_dir, monk
     monkeypatch.setenv("CPUSERVE_QUANTIZE_LM_HEAD", "int8")
     engine = LLMEngine.from_model_dir(smol_dir, EngineConfig(max_model_len=256), "float32")
     assert engine.model.lm_head.quant is not None and engine.model.lm_head.quant.bits == 8
+
+
+def test_a_served_head_is_int8_unless_told_otherwise(smol_dir, monkeypatch):
+    """The engine's default head is int8 (loader.DEFAULT_LM_HEAD); "none" by flag or environment keeps it."""
+    monkeypatch.delenv("CPUSERVE_QUANTIZE_LM_HEAD", raising=False)
+    config = EngineConfig(max_model_len=256)
+    default = LLMEngine.from_model_dir(smol_dir, config, "float32").model.lm_head
+    assert default.quant is not None and default.quant.bits == 8
+    assert LLMEngine.from_model_dir(smol_dir, config, "float32", quantize_lm_head="none").model.lm_head.quant is None
+    monkeypatch.setenv("CPUSERVE_QUANTIZE_LM_HEAD", "none")
+    assert LLMEngine.from_model_dir(smol_dir, config, "float32").model.lm_head.quant is None
+    head = LLMEngine.from_model_dir(smol_dir, config, "float32", quantize_lm_head="int4").model.lm_head
+    assert head.quant is not None and head.quant.bits == 4  # the flag wins over the variable

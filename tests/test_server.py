@@ -37,6 +37,8 @@ def server(smol_dir, cache_dir, tmp_path_factory):
         "2048",
         "--max-num-seqs",
         "16",
+        "--quantize-lm-head",
+        "none",  # greedy answers compared with transformers' float head
     ]
     with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}, log) as base:
         yield base

@@ -85,10 +85,10 @@ def test_chat_template_matches_transformers(smol_dir, tokenizer):
 
 
 def test_bf16_greedy_answer_is_sensible(smol_dir, tokenizer):
-    """The default (checkpoint dtype, bf16) path answers the README's question correctly."""
+    """The checkpoint's own dtype (bf16) answers the README's question correctly."""
     from cpuserve.model.loader import load_model
 
-    model = load_model(smol_dir, "auto")
+    model = load_model(smol_dir, "bfloat16")
     assert model.dtype == torch.bfloat16
     ids = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     out = list(generate_ids(model, ids, SimpleSampling(max_tokens=16, stop_token_ids=(2,))))

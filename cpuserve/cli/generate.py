@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--quantize-lm-head", default=None, choices=["int8", "int4", "none"], help="as serve's (default int8)"
+    )
     gen.set_defaults(func=cmd_generate)
 
 
@@ -37,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cpuserve.detokenizer import IncrementalDetokenizer
     from cpuserve.generate import SimpleSampling, generate_ids
     from cpuserve.model.footprint import model_facts, plan_model_memory
-    from cpuserve.model.loader import load_model
+    from cpuserve.model.loader import lm_head_setting, load_model
     from cpuserve.model.resolve import resolve_model
     from cpuserve.model.source import ModelSource
     from cpuserve.tokenizer import GenerationDefaults, Tokenizer
@@ -48,7 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     plan_model_memory(machine, overrides, spec, facts, spec.max_position_embeddings, 1, 512)
     tokenizer = Tokenizer(model_dir)
     defaults = GenerationDefaults.load(model_dir)
-    model = load_model(source, args.dtype, quantize_lm_head=overrides.quantize_lm_head)
+    head = lm_head_setting(args.quantize_lm_head, overrides.quantize_lm_head)
+    model = load_model(source, args.dtype, quantize_lm_head=head)
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})

@@ -152,9 +152,10 @@ class LLMEngine:
         """Read the model directory once (config, quantization config, headers), size the KV cache
         from the platform memory plan (unless given) and load. Environment settings come from
         `overrides` (read and validated once at start; read here if not given); an explicit
-        quantize_lm_head (the --quantize-lm-head flag) wins over CPUSERVE_QUANTIZE_LM_HEAD."""
+        quantize_lm_head (the --quantize-lm-head flag) wins over CPUSERVE_QUANTIZE_LM_HEAD; with neither,
+        the head is int8 (loader.DEFAULT_LM_HEAD), "none" keeps it."""
         from cpuserve.model.footprint import model_facts, plan_model_memory
-        from cpuserve.model.loader import load_model
+        from cpuserve.model.loader import lm_head_setting, load_model
         from cpuserve.model.source import ModelSource
         from cpuserve.platform.machine import detect_machine
         from cpuserve.platform.overrides import read_overrides
@@ -179,7 +180,8 @@ class LLMEngine:
                 config.block_size,
                 mem.reason,
             )
-        model = load_model(source, dtype, quantize_lm_head=quantize_lm_head or overrides.quantize_lm_head)
+        head = lm_head_setting(quantize_lm_head, overrides.quantize_lm_head)
+        model = load_model(source, dtype, quantize_lm_head=head)
         engine = cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
         engine.pooling = PoolingConfig.load(model_dir)
         engine.facts = facts

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cpuserve.model.config import ModelSpec
-from cpuserve.model.loader import resolve_dtype
+from cpuserve.model.loader import auto_dtype, resolve_dtype
 from cpuserve.model.source import ModelSource
 from cpuserve.platform.machine import Machine
 from cpuserve.platform.overrides import Overrides
@@ -58,6 +58,8 @@ def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch
         "format": getattr(ckpt, "format_description", None)
         or f"HF safetensors ({len(files)} file{'s' * (len(files) > 1)}, stored as {', '.join(dtypes)})",
         "scheme": _scheme(qc, compute),
+        "compute_dtype": str(compute).removeprefix("torch."),
+        "compute_dtype_reason": auto_dtype(spec).reason if dtype == "auto" else f"--dtype {dtype}",
         "layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
         "parameters": params,

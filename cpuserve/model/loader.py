@@ -20,6 +20,7 @@ from cpuserve.model.config import ModelSpec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
 from cpuserve.model.source import ModelSource
+from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.linear import Linear
 from cpuserve.quant.methods import IntWeightMethod, KernelChoice, fetch_float, select_kernel
@@ -33,9 +34,10 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
-    """`auto` means the checkpoint's own dtype, as vLLM's --dtype auto does."""
+    """`auto`: the checkpoint's 16-bit dtype where this CPU has native dot products for it, float32
+    elsewhere (platform/compute_dtype.py says why)."""
     if name == "auto":
-        name = spec.torch_dtype if spec.torch_dtype in DTYPES else "bfloat16"
+        name = auto_dtype(spec).dtype
     aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
     name = aliases.get(name, name)
     if name not in DTYPES:
@@ -43,7 +45,24 @@ def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
     return DTYPES[name]
 
 
+def auto_dtype(spec: ModelSpec) -> DtypeChoice:
+    """What `--dtype auto` computes this checkpoint in here, and why."""
+    stored = spec.torch_dtype if spec.torch_dtype in DTYPES else "bfloat16"
+    return host_auto_dtype(stored)
+
+
 LM_HEAD_KINDS = ("int8", "int4")
+# What a served model's float output head becomes unless told otherwise: a decode step reads the
+# whole head, and int8 halves a bf16 head's bytes (a quarter of float32's) for a KL of 0.007 on
+# SmolLM2 (docs/benchmarks.md). "none" keeps it as the checkpoint has it.
+DEFAULT_LM_HEAD = "int8"
+
+
+def lm_head_setting(flag: str | None, env_value: str | None) -> str | None:
+    """The head's scheme for --quantize-lm-head `flag` and CPUSERVE_QUANTIZE_LM_HEAD `env_value`
+    (the flag wins, then the variable, then DEFAULT_LM_HEAD); None keeps it as stored."""
+    kind = flag or env_value or DEFAULT_LM_HEAD
+    return None if kind == "none" else kind
 
 
 def lm_head_quant(kind: str, hidden_size: int) -> WeightQuant:
@@ -174,11 +193,12 @@ def load_model(
         runs = f"native {kernel.variant}" if kernel is not None else "reference (pure torch)"
         log.info("quantized linears: %s (%d/%d layers; the rest reference)", runs, on_kernel, len(quantized))
     log.info(
-        "loaded %s from %s: %d layers, hidden %d, %s",
+        "loaded %s from %s: %d layers, hidden %d, %s%s",
         spec.architecture,
         model_dir,
         spec.num_layers,
         spec.hidden_size,
         str(torch_dtype).removeprefix("torch."),
+        f" (--dtype auto: {auto_dtype(spec).reason})" if dtype == "auto" else "",
     )
     return model

@@ -19,11 +19,12 @@ X86_FEATURES = (
     "avx512_vnni",
     "avx_vnni",
     "avx512_bf16",
+    "avx512_fp16",
     "amx_tile",
     "amx_int8",
     "amx_bf16",
 )
-ARM_FEATURES = ("asimd", "asimddp", "i8mm", "sve", "sve2", "bf16", "svei8mm", "sme")
+ARM_FEATURES = ("asimd", "asimdhp", "asimddp", "i8mm", "sve", "sve2", "bf16", "svei8mm", "sme")
 
 # Arm MIDR part numbers (implementer 0x41) of efficiency ("LITTLE") cores.
 ARM_LITTLE_PARTS = {

@@ -38,7 +38,7 @@ class Overrides:
     bind_cpus: tuple[int, ...] = ()
     num_threads: int | None = None
     kernel_variant: str | None = None  # CPUSERVE_ISA
-    quantize_lm_head: str | None = None  # "int8" | "int4": the output head quantized at load
+    quantize_lm_head: str | None = None  # CPUSERVE_QUANTIZE_LM_HEAD: "int8" | "int4" | "none"; None: not set
     sources: dict[str, str] = field(default_factory=dict)  # setting -> "NAME=value" it came from
     not_needed: dict[str, str] = field(default_factory=dict)  # NAME=value -> why
 
@@ -98,8 +98,8 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
         sources["kernel"] = f"{picked[0]}={variant}"
     lm_head = None
     if picked := _pick(env, QUANTIZE_LM_HEAD):
-        if picked[1] not in LM_HEAD_KINDS:
-            raise ConfigError(f"{picked[0]}={picked[1]!r}: expected one of {', '.join(LM_HEAD_KINDS)}")
+        if picked[1] not in (*LM_HEAD_KINDS, "none"):
+            raise ConfigError(f"{picked[0]}={picked[1]!r}: expected one of {', '.join(LM_HEAD_KINDS)} or none")
         lm_head = picked[1]
         sources["lm_head"] = f"{picked[0]}={lm_head}"
     not_needed = {f"{k}={env[k]}": why for k, why in NOT_NEEDED.items() if k in env}

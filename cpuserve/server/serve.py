@@ -108,9 +108,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize-lm-head",
         default=None,
-        choices=["int8", "int4"],
-        help="opt-in: the output head quantized (int8: W8A8, half a bf16 head's bytes; int4: W4A8 in groups"
-        " of 128/64/32, a quarter): faster decode, logits and logprobs carry the rounding error",
+        choices=["int8", "int4", "none"],
+        help="the float output head quantized at load (default int8: W8A8, half a bf16 head's bytes; int4: W4A8"
+        " in groups of 128/64/32, a quarter; none: as the checkpoint has it): faster decode, logits and"
+        " logprobs carry the rounding error",
     )
     # Accepted, no effect here (see NO_EFFECT).
     p.add_argument("--enforce-eager", action="store_true")
