@@ -86,3 +86,19 @@ def test_disconnect_mid_stream_aborts_and_frees_the_kv_cache(server):
             timeout=10,
         )
     assert err.value.code == 400
+
+
+def test_a_client_gone_during_a_long_prefill_is_aborted_before_its_first_token(smol_dir, cache_dir):
+    """A streaming request's first event waits for its prefill (here ~125 chunks of 16 tokens): a client
+    that gives up meanwhile has the request aborted at the next step, so it never generates a token."""
+    args = [str(smol_dir), "--max-num-batched-tokens", "16", "--max-model-len", "2048", "--max-num-seqs", "2"]
+    with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
+        long_prompt = {"prompt": [1000 + (i * 7) % 20000 for i in range(2000)], "max_tokens": 8, "stream": True}
+        before = metric(base, "cpuserve:generation_tokens_total")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=long_prompt, timeout=httpx.Timeout(60, read=0.5))
+        assert wait_for(lambda: metric(base, "cpuserve:num_requests_running") == 0, timeout=20)
+        assert metric(base, "cpuserve:generation_tokens_total") == before  # aborted mid-prefill
+        assert metric(base, "cpuserve:kv_cache_usage_perc") == 0.0
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

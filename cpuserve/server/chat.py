@@ -160,7 +160,7 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
 async def create_chat_completion(server: Server, request: Request, req: ChatCompletionRequest) -> Response:
     run = await prepare_chat(server, req)
     if req.stream:
-        merged = streaming.merge(server, await streaming.start(server, run.jobs))
+        merged = streaming.merge(server, await streaming.start(server, run.jobs, request))
         return streaming.sse(_events(server, run, req, merged))
     finals = await streaming.collect(server, request, run.jobs)
     if finals is None:

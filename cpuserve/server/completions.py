@@ -56,7 +56,7 @@ async def create_completion(server: Server, request: Request, req: CompletionReq
             params.prompt_logprobs = req.logprobs
         jobs.append((f"{rid}-{i}", ids, params))
     if req.stream:
-        merged = streaming.merge(server, await streaming.start(server, jobs))
+        merged = streaming.merge(server, await streaming.start(server, jobs, request))
         return streaming.sse(_events(server, rid, created, req, merged))
     finals = await streaming.collect(server, request, jobs)
     if finals is None:

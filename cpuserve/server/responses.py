@@ -152,7 +152,7 @@ async def serve_run(
 ) -> Response:
     """Run a one-choice chat: its `events` streamed, or its `body` once it is done (499: the client left)."""
     if stream:
-        return event_stream(events(streaming.merge(server, await streaming.start(server, run.jobs))))
+        return event_stream(events(streaming.merge(server, await streaming.start(server, run.jobs, request))))
     finals = await streaming.collect(server, request, run.jobs)
     if finals is None:
         return Response(status_code=499)

@@ -51,12 +51,28 @@ async def _instrumented(
         yield out
 
 
-async def start(server: Server, jobs: list[Job]) -> Started:
+DISCONNECT_POLL_SECONDS = 0.2  # a prefill chunk takes longer: a client gone mid-prefill is seen within one
+
+
+async def start(server: Server, jobs: list[Job], request: Request | None = None) -> Started:
     """Start every engine request and wait for its first output, so that a rejected request
-    (InvalidRequest) becomes an error response before any byte of a stream is sent."""
+    (InvalidRequest) becomes an error response before any byte of a stream is sent. The first
+    output comes after the prompt's prefill, which can take long: a client that leaves meanwhile
+    has its requests aborted at once (the next step boundary), not after its first token."""
     ids = [j for j, _, _ in jobs]
     streams = [_instrumented(server, j, prompt, p) for j, prompt, p in jobs]
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    waiting = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams), return_exceptions=True))
+    try:
+        while request is not None and not waiting.done():
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_SECONDS)
+            if not done and await request.is_disconnected():
+                raise APIError(499, "the client closed the request", "ClientClosedRequest")
+        firsts = await waiting
+    except BaseException:
+        waiting.cancel()
+        for request_id in ids:
+            server.engine.abort(request_id)
+        raise
     errors = [f for f in firsts if isinstance(f, BaseException)]
     if errors:
         for request_id in ids:
@@ -104,7 +120,7 @@ async def merge(server: Server, started: Started) -> AsyncIterator[tuple[int, Re
 
 async def collect(server: Server, request: Request, jobs: list[Job]) -> list[RequestOutput] | None:
     """Run jobs to completion; None when the client went away (its requests are aborted)."""
-    merged = merge(server, await start(server, jobs))
+    merged = merge(server, await start(server, jobs, request))
     finals: dict[int, RequestOutput] = {}
 
     async def consume() -> None:
