@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from cpuserve.cli.common import add_model_args, platform_plan
@@ -111,6 +112,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bv.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     bv.add_argument("--timeout", type=float, default=1800, help="seconds allowed per request and per start")
     bv.set_defaults(func=cmd_bench_vllm)
+    from cpuserve.bench.serving_bench import WORKLOADS
+
+    bsv = bench_sub.add_parser(
+        "serving", help="cpuserve's server against llama-server: 1/4/16 streams, output tok/s and TTFT"
+    )
+    bsv.add_argument("model", nargs="?", default=None, help="what cpuserve serves (default: the bundled model)")
+    bsv.add_argument("--gguf", default=None, help="the GGUF llama-server serves (default: the model, if a GGUF)")
+    bsv.add_argument("--llama-server", default=None, help="the llama-server binary (none: cpuserve alone)")
+    bsv.add_argument("--threads", type=int, default=2, help="threads for each server (default 2)")
+    bsv.add_argument(
+        "--workload", action="append", choices=sorted(WORKLOADS), help="prompt-heavy (256/64), decode-heavy (32/128)"
+    )
+    bsv.add_argument("--work", default="benchmarks/.work/serving", help="where the servers' logs go")
+    bsv.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `cpuserve serve` flags")
+    bsv.set_defaults(func=cmd_bench_serving)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -142,6 +158,23 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    from cpuserve.bench.serving_bench import WORKLOADS, host_isa, render, run
+    from cpuserve.model.resolve import bundled_gguf, resolve_model
+
+    model = str(resolve_model(args.model))  # a GGUF's directory: converted once, before the clock starts
+    gguf = args.gguf or (str(bundled_gguf()) if args.model is None else None)
+    if gguf is None and args.model.endswith(".gguf"):
+        gguf = args.model
+    workloads = [WORKLOADS[w] for w in (args.workload or list(WORKLOADS))]
+    serve_args = [a for a in args.serve_args if a != "--"]
+    label = Path(args.model).name if args.model else "SmolLM2-135M Q4_1 (bundled)"
+    result = run(model, label, gguf, args.llama_server, serve_args, args.threads, workloads, {}, Path(args.work))
+    command = "cpuserve bench serving " + " ".join(sys.argv[3:])
+    print(render(result, command, host_isa()))
+    return 1 if any(p.errors for pts in [result.ours, result.peer or {}] for ps in pts.values() for p in ps) else 0
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
