@@ -18,6 +18,7 @@ import torch
 
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.sequence import Sequence, TokenLogprobs
+from cpuserve.model import ops
 
 
 def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -158,14 +159,12 @@ def _logprobs_into(
     infos: list, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], wanted: list[int]
 ) -> None:  # type: ignore[type-arg]
     """One pass over the rows that asked: log_softmax, chosen values, ranks and top-k together."""
-    rows = torch.tensor(wanted)
-    lp = torch.log_softmax(logits[rows], dim=-1)
-    chosen_ids = torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)
-    chosen = lp.gather(1, chosen_ids)
-    ranks = (lp > chosen).sum(dim=1) + 1
+    rows = logits[torch.tensor(wanted)] if len(wanted) < len(logits) else logits
+    chosen_ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.int64)
     k = max(seqs[i].params.logprobs for i in wanted)
-    top_v, top_i = torch.topk(lp, k, dim=1) if k else (None, None)
+    chosen, ranks, top_i, top_v = ops.token_logprobs(rows.float().contiguous(), chosen_ids, k)
+    chosen_l, ranks_l, ids_l, vals_l = chosen.tolist(), ranks.tolist(), top_i.tolist(), top_v.tolist()
     for j, i in enumerate(wanted):
         n = seqs[i].params.logprobs
-        top = {} if not n else dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True))
-        infos[i] = TokenLogprobs(token_id=tokens[i], logprob=float(chosen[j, 0]), rank=int(ranks[j]), top=top)
+        top = {} if not n else dict(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
+        infos[i] = TokenLogprobs(token_id=tokens[i], logprob=chosen_l[j], rank=ranks_l[j], top=top)

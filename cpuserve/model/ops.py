@@ -135,7 +135,35 @@ def decode_attention_reference(
     return torch.matmul(probs, values.float()).view(n, hq, d).to(q.dtype)
 
 
+def token_logprobs_reference(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of fp32 logits [N, V]: the chosen token's logprob [N], its rank [N] (1 = most
+    likely), the top-k ids and logprobs [N, k] (ties: lower id first)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    # Ranks and order from the logits themselves: subtracting the row's logsumexp in float32 can
+    # round two different logits to one logprob.
+    ranks = (logits > logits.gather(1, chosen.unsqueeze(1))).sum(dim=1) + 1
+    if k == 0:
+        return chosen_lp, ranks, torch.empty(len(chosen), 0, dtype=torch.int64), torch.empty(len(chosen), 0)
+    # Sorting ids by (-logit, id): a stable sort on values descending keeps ids ascending among ties.
+    top_ids = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k]
+    return chosen_lp, ranks, top_ids, lp.gather(1, top_ids)
+
+
 # ---------------------------------------------------------------- dispatch
+def token_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_logprobs_reference in one native pass per row (ten torch ops and a top-k otherwise:
+    about 0.5 ms a token over a 49k vocabulary, most of a small model's decode step)."""
+    module = _use_native(logits)
+    if module is None or logits.dtype != torch.float32:
+        return token_logprobs_reference(logits, chosen, k)
+    return tuple(module.token_logprobs(logits, chosen, k))  # type: ignore[return-value]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm; unit_offset: Gemma's x * (1 + w) (torch only)."""
     if unit_offset:

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -239,6 +240,66 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
 
+// The sampler's logprobs for the rows that ask: each row's chosen-token logprob, its rank (1 = most
+// likely) and its k most likely tokens, in one pass over the raw logits after a vectorized logsumexp
+// (ATen's). Rank and order are the logits' own (log_softmax subtracts one constant per row). The
+// top-k is a min-heap of k: most elements fail one compare against its root. Ties go to the lower
+// token id. Reference twin: the torch code in cpuserve/engine/sampler.py (_torch_logprobs).
+std::vector<torch::Tensor> token_logprobs(torch::Tensor logits, torch::Tensor chosen, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits: [N, V] float32");
+  TORCH_CHECK(chosen.dim() == 1 && chosen.size(0) == logits.size(0) && chosen.scalar_type() == torch::kInt64,
+              "chosen: [N] int64, one per row");
+  logits = logits.contiguous();
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(k >= 0 && k <= vocab, "k must be in [0, V]");
+  const auto lse = at::logsumexp(logits, {1}).contiguous();
+  auto chosen_lp = torch::empty({n}, logits.options());
+  auto ranks = torch::empty({n}, chosen.options());
+  auto top_ids = torch::empty({n, k}, chosen.options());
+  auto top_lp = torch::empty({n, k}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  const int64_t* ch = chosen.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(ch[r] >= 0 && ch[r] < vocab, "chosen token out of range");
+  }
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {  // a few rows: no thread hand-off
+    std::vector<std::pair<float, int64_t>> heap;
+    // "a before b" in the top-k order: larger value, then lower id. The heap keeps its worst on top.
+    auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * vocab;
+      const float c = row[ch[r]];
+      int64_t above = 0;
+      for (int64_t i = 0; i < vocab; ++i) above += row[i] > c;
+      heap.clear();
+      if (k > 0) {
+        for (int64_t i = 0; i < k; ++i) heap.emplace_back(row[i], i);
+        std::make_heap(heap.begin(), heap.end(), better);
+        float worst = heap.front().first;
+        for (int64_t i = k; i < vocab; ++i) {
+          // Ids rise through the row, so an equal value never beats the heap's worst (tie: lower id).
+          if (!(row[i] > worst)) continue;
+          std::pop_heap(heap.begin(), heap.end(), better);
+          heap.back() = {row[i], i};
+          std::push_heap(heap.begin(), heap.end(), better);
+          worst = heap.front().first;
+        }
+        std::sort_heap(heap.begin(), heap.end(), better);
+      }
+      const float l = lse.data_ptr<float>()[r];
+      chosen_lp.data_ptr<float>()[r] = c - l;
+      ranks.data_ptr<int64_t>()[r] = above + 1;
+      for (int64_t j = 0; j < k; ++j) {
+        top_ids.data_ptr<int64_t>()[r * k + j] = heap[j].second;
+        top_lp.data_ptr<float>()[r * k + j] = heap[j].first - l;
+      }
+    }
+  });
+  return {chosen_lp, ranks, top_ids, top_lp};
+}
+
 void register_layer_ops(pybind11::module& mod) {
   // The GIL is let go while an op runs (no Python inside), so other threads are not held up.
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -248,4 +309,6 @@ void register_layer_ops(pybind11::module& mod) {
   mod.def("silu_mul", &silu_mul, nogil(), "silu(gate) * up");
   mod.def("decode_attention", &decode_attention, nogil(),
           "one query per sequence over the contiguous or paged KV cache");
+  mod.def("token_logprobs", &token_logprobs, nogil(),
+          "per row: chosen token's logprob, its rank, the top-k ids and logprobs {chosen_lp, rank, ids, lps}");
 }
