@@ -117,3 +117,38 @@ def test_fatal_error_fails_every_stream_turns_health_503_and_calls_on_fatal(engi
     assert all(isinstance(r, EngineDeadError) for r in results)
     assert health == 503 and after == 503
     assert len(fatal) == 1 and "injected fatal" in str(fatal[0])
+
+
+def test_load_builds_the_engine_on_its_thread_and_leaves_the_caller_single_threaded(engine):
+    """AsyncEngine.load: the factory runs on the engine thread (the one thread that computes in
+    parallel), its error is raised to the caller, and the caller's torch runs one thread after."""
+    import threading
+
+    import torch
+
+    before = torch.get_num_threads()
+    seen: list[tuple[str, int]] = []
+
+    def factory() -> LLMEngine:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return engine
+
+    try:
+        with pytest.raises(RuntimeError, match="no such checkpoint"):
+            AsyncEngine.load(lambda: (_ for _ in ()).throw(RuntimeError("no such checkpoint")))
+        async_engine = AsyncEngine.load(factory)
+        assert seen == [("cpuserve-engine", before)]
+        assert async_engine.engine is engine and torch.get_num_threads() == 1
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        expected = run_to_completion(engine, {0: "The sky is"}, params)[0].outputs[0].token_ids
+
+        async def one():
+            last = None
+            async for out in async_engine.generate("q", "The sky is", params):
+                last = out
+            return last.outputs[0].token_ids
+
+        assert asyncio.run(one()) == expected
+        async_engine.shutdown()
+    finally:
+        torch.set_num_threads(before)

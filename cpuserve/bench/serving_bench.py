@@ -108,8 +108,11 @@ async def _one(client, workload: Workload, ids: list[int], point: Point) -> None
 
 async def measure(base: str, workload: Workload, streams: int, vocab: int, seed: int) -> Point:
     """N closed-loop clients; prompts drawn from `seed` so both engines see the same ones."""
+    import logging
+
     import httpx  # a dev dependency (./run setup installs it)
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     point = Point(streams)
     per = requests_per_stream(streams)
     rng = random.Random(seed)

@@ -202,7 +202,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     from cpuserve.server.app import ServerConfig, create_app
     from cpuserve.server.shutdown import HttpServer
 
-    model_dir = resolve_model(args.model, args.cache_dir)
+    model_dir = None
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -212,7 +212,16 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
     )
-    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
+
+    def load() -> LLMEngine:
+        nonlocal model_dir
+        model_dir = resolve_model(args.model, args.cache_dir)  # a GGUF's directory is made here, once
+        return LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
+
+    # Loaded on the engine thread, which alone computes in parallel (AsyncEngine.load says why).
+    async_engine = AsyncEngine.load(load, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
+    engine = async_engine.engine
+    assert model_dir is not None
     engine.grammars.prepare_in_background()  # structured outputs' token trie, off the first request's path
     # What loading made lives as long as the server: out of the collector's sight, a full
     # collection during a decode step walks only what requests allocate.
@@ -221,7 +230,6 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     facts = engine.facts
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
-    async_engine = AsyncEngine(engine, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
     app = create_app(
         async_engine,
         ServerConfig(
