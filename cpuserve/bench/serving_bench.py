@@ -167,7 +167,11 @@ def llama_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path) 
 
 
 def run_engine(base: str, workloads: list[Workload], vocab: int, seed: int) -> dict[str, list[Point]]:
-    return {w.name: [asyncio.run(measure(base, w, s, vocab, seed + 1000 * s)) for s in STREAMS] for w in workloads}
+    # A seed per workload and concurrency: no prompt is another's prefix (no prefix-cache hits).
+    return {
+        w.name: [asyncio.run(measure(base, w, s, vocab, seed + 1000 * s + 7 * w.prompt_tokens)) for s in STREAMS]
+        for w in workloads
+    }
 
 
 def _vocab(model: str) -> int:
@@ -210,27 +214,32 @@ def run(
     return ServingResult(label, ours, peer)
 
 
-def render(result: ServingResult, command: str, isa: str) -> str:
+def render_table(results: list[ServingResult]) -> str:
+    """One markdown table for several models, then any errors."""
     lines = [
-        f"command: `{command}`; host ISA: {isa}",
-        "",
         "| model | workload | streams | cpuserve tok/s | llama-server tok/s | ratio "
         "| cpuserve TTFT p50 / p90 | llama-server TTFT p50 / p90 |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, points in result.ours.items():
-        for i, p in enumerate(points):
-            q = result.peer[name][i] if result.peer else None
-            ratio = f"{p.tok_s / q.tok_s:.2f}x" if q and q.tok_s else "-"
-            peer = f"{q.tok_s:.1f}" if q else "-"
-            peer_ttft = f"{q.ttft_pct(0.5):.2f} / {q.ttft_pct(0.9):.2f} s" if q else "-"
-            lines.append(
-                f"| {result.label} | {name} | {p.streams} | {p.tok_s:.1f} | {peer} | {ratio} "
-                f"| {p.ttft_pct(0.5):.2f} / {p.ttft_pct(0.9):.2f} s | {peer_ttft} |"
-            )
-    errors = [e for pts in [result.ours, result.peer or {}] for ps in pts.values() for p in ps for e in p.errors]
+    errors = []
+    for result in results:
+        for name, points in result.ours.items():
+            for i, p in enumerate(points):
+                q = result.peer[name][i] if result.peer else None
+                ratio = f"{p.tok_s / q.tok_s:.2f}x" if q and q.tok_s else "-"
+                peer = f"{q.tok_s:.1f}" if q else "-"
+                peer_ttft = f"{q.ttft_pct(0.5):.2f} / {q.ttft_pct(0.9):.2f} s" if q else "-"
+                lines.append(
+                    f"| {result.label} | {name} | {p.streams} | {p.tok_s:.1f} | {peer} | {ratio} "
+                    f"| {p.ttft_pct(0.5):.2f} / {p.ttft_pct(0.9):.2f} s | {peer_ttft} |"
+                )
+        errors += [e for pts in [result.ours, result.peer or {}] for ps in pts.values() for p in ps for e in p.errors]
     lines += [f"error: {e}" for e in errors[:10]]
     return "\n".join(lines)
+
+
+def render(result: ServingResult, command: str, isa: str) -> str:
+    return f"command: `{command}`; host ISA: {isa}\n\n" + render_table([result])
 
 
 def host_isa() -> str:

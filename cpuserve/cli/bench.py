@@ -125,7 +125,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--workload", action="append", choices=sorted(WORKLOADS), help="prompt-heavy (256/64), decode-heavy (32/128)"
     )
     bsv.add_argument("--work", default="benchmarks/.work/serving", help="where the servers' logs go")
-    bsv.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `cpuserve serve` flags")
+    bsv.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        help="after MODEL: more `cpuserve serve` flags (options go before MODEL)",
+    )
     bsv.set_defaults(func=cmd_bench_serving)
 
 

@@ -1,0 +1,24 @@
+"""`cpuserve bench serving`'s arithmetic and report (the servers themselves are exercised elsewhere)."""
+
+from __future__ import annotations
+
+import random
+
+from cpuserve.bench.serving_bench import Point, ServingResult, prompt_ids, render_table
+
+
+def test_tok_s_ttft_percentiles_and_the_ratio_column():
+    ours = Point(4, requests=8, tokens=512, seconds=4.0, ttft=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    peer = Point(4, requests=8, tokens=512, seconds=8.0, ttft=[1.0] * 10)
+    assert ours.tok_s == 128.0 and peer.tok_s == 64.0
+    assert ours.ttft_pct(0.5) == 0.5 and ours.ttft_pct(0.9) == 0.9  # nearest rank (round half even) over 10
+    table = render_table([ServingResult("m", {"decode-heavy": [ours]}, {"decode-heavy": [peer]})])
+    assert "| m | decode-heavy | 4 | 128.0 | 64.0 | 2.00x | 0.50 / 0.90 s | 1.00 / 1.00 s |" in table
+    alone = render_table([ServingResult("m", {"decode-heavy": [Point(1, errors=["HTTP 500: x"])]}, None)])
+    assert "| - | - |" in alone and "error: HTTP 500: x" in alone
+
+
+def test_prompts_avoid_both_ends_of_the_vocabulary_and_repeat_per_seed():
+    ids = prompt_ids(random.Random(3), 256, 49152)
+    assert len(ids) == 256 and min(ids) >= 256 and max(ids) < 49152 - 512
+    assert ids == prompt_ids(random.Random(3), 256, 49152)
