@@ -18,11 +18,12 @@ def main() -> None:
 
     import torch
 
-    from cpuserve.model.loader import load_model
+    from cpuserve.model.loader import lm_head_setting, load_model
     from cpuserve.platform.overrides import read_overrides
 
     # CPUSERVE_QUANTIZE_LM_HEAD (the suite sets it) is read with the other overrides, as serve does.
-    model = load_model(model_dir, "auto", quantize_lm_head=read_overrides(os.environ).quantize_lm_head)
+    head = lm_head_setting(None, read_overrides(os.environ).quantize_lm_head)
+    model = load_model(model_dir, "auto", quantize_lm_head=head)
     load_s = time.perf_counter() - start
     from cpuserve.quant.linear import Linear
 

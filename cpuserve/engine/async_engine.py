@@ -94,6 +94,11 @@ class AsyncEngine:
 
     def _load_and_run(self, factory: Callable[[], LLMEngine] | None) -> None:
         if factory is not None:
+            import torch
+
+            # Fix this thread's OpenMP setting now, from the process's (load() sets the caller's to 1
+            # once loading is done; torch reads the global on a thread's first parallel call).
+            torch.get_num_threads()
             try:
                 self.engine = factory()
             except BaseException as exc:

@@ -11,8 +11,18 @@ from cpuserve.model.resolve import resolve_model
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", cache_dir: str | None = None, **config) -> None:  # type: ignore[no-untyped-def]
-        self.engine = LLMEngine.from_model_dir(resolve_model(model, cache_dir), EngineConfig(**config), dtype)
+    def __init__(  # type: ignore[no-untyped-def]
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        cache_dir: str | None = None,
+        quantize_lm_head: str | None = None,
+        **config,
+    ) -> None:
+        """quantize_lm_head: as serve's --quantize-lm-head (int8 by default, "none" keeps the head)."""
+        self.engine = LLMEngine.from_model_dir(
+            resolve_model(model, cache_dir), EngineConfig(**config), dtype, quantize_lm_head=quantize_lm_head
+        )
         self._ids = itertools.count()
 
     @property

@@ -60,8 +60,11 @@ DEFAULT_LM_HEAD = "int8"
 
 def lm_head_setting(flag: str | None, env_value: str | None) -> str | None:
     """The head's scheme for --quantize-lm-head `flag` and CPUSERVE_QUANTIZE_LM_HEAD `env_value`
-    (the flag wins, then the variable, then DEFAULT_LM_HEAD); None keeps it as stored."""
-    kind = flag or env_value or DEFAULT_LM_HEAD
+    (the flag wins, then the variable, then DEFAULT_LM_HEAD); None keeps it as stored. The default
+    applies only where the native kernels run: on the pure-torch path an int8 head is slower."""
+    kind = flag or env_value
+    if kind is None:
+        return DEFAULT_LM_HEAD if select_kernel() is not None else None
     return None if kind == "none" else kind
 
 

@@ -244,12 +244,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // likely) and its k most likely tokens, in one pass over the raw logits after a vectorized logsumexp
 // (ATen's). Rank and order are the logits' own (log_softmax subtracts one constant per row). The
 // top-k is a min-heap of k: most elements fail one compare against its root. Ties go to the lower
-// token id. Reference twin: the torch code in cpuserve/engine/sampler.py (_torch_logprobs).
+// token id. Reference twin: cpuserve/model/ops.py token_logprobs_reference.
 std::vector<torch::Tensor> token_logprobs(torch::Tensor logits, torch::Tensor chosen, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits: [N, V] float32");
   TORCH_CHECK(chosen.dim() == 1 && chosen.size(0) == logits.size(0) && chosen.scalar_type() == torch::kInt64,
               "chosen: [N] int64, one per row");
   logits = logits.contiguous();
+  chosen = chosen.contiguous();
   const int64_t n = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(k >= 0 && k <= vocab, "k must be in [0, V]");
   const auto lse = at::logsumexp(logits, {1}).contiguous();
