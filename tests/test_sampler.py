@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpuserve.engine.sampler import distribution, processed_logits, sample, token_logprobs
+from cpuserve.engine.sampler import distribution, logprob_entries, processed_logits, sample
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.sequence import Sequence
 
@@ -112,7 +112,8 @@ def test_seeded_draws_repeat_and_follow_the_distribution():
 
 
 def test_logprobs_rank_and_top():
-    lp = torch.log_softmax(torch.tensor([1.0, 3.0, 2.0, 0.5]), -1)
-    info = token_logprobs(lp, 2, 2)
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    lp = torch.log_softmax(logits, -1)
+    info = logprob_entries(logits.unsqueeze(0), [2], [2])[0]
     assert info.rank == 2 and info.logprob == pytest.approx(float(lp[2]))
     assert list(info.top) == [1, 2] and info.top[1] == pytest.approx(float(lp[1]))

@@ -10,7 +10,7 @@ import torch
 
 from cpuserve.engine.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from cpuserve.engine.pooling import PoolState
-from cpuserve.engine.sampler import sample, token_logprobs
+from cpuserve.engine.sampler import logprob_entries, sample
 from cpuserve.engine.scheduler import Sampled, ScheduledBatch, StepOutput
 from cpuserve.engine.structured import MaskComputer
 from cpuserve.model.decoder import CausalLM
@@ -125,9 +125,9 @@ class ModelRunner:
     @staticmethod
     def _prompt_logprobs(seq, rows: torch.Tensor) -> list:  # type: ignore[no-untyped-def]
         """Entries for prompt positions num_computed + 1 ... (position p predicts prompt token p)."""
-        logprobs = torch.log_softmax(rows, dim=-1)
-        k = seq.params.prompt_logprobs or 0
-        return [token_logprobs(logprobs[r], seq.prompt_ids[seq.num_computed + r + 1], k) for r in range(rows.shape[0])]
+        start = seq.num_computed + 1
+        tokens = list(seq.prompt_ids[start : start + rows.shape[0]])
+        return logprob_entries(rows, tokens, [seq.params.prompt_logprobs or 0] * len(tokens))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:

@@ -21,15 +21,19 @@ from cpuserve.engine.sequence import Sequence, TokenLogprobs
 from cpuserve.model import ops
 
 
-def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """The chosen token's logprob and rank (1 = most likely) and the top-k, from a log_softmax row."""
-    chosen = float(logprobs[token])
-    rank = int((logprobs > logprobs[token]).sum()) + 1
-    top: dict[int, float] = {}
-    if k > 0:
-        values, ids = torch.topk(logprobs, k)
-        top = {int(i): float(v) for i, v in zip(ids, values, strict=True)}
-    return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
+def logprob_entries(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Per row of logits [N, V]: its token's logprob and rank (1 = most likely) and its k most likely
+    tokens, all rows in one native pass (model/ops.token_logprobs). Sampled and prompt tokens alike."""
+    chosen, ranks, top_i, top_v = ops.token_logprobs(
+        logits.float().contiguous(), torch.tensor(tokens, dtype=torch.int64), max(ks, default=0)
+    )
+    chosen_l, ranks_l, ids_l, vals_l = chosen.tolist(), ranks.tolist(), top_i.tolist(), top_v.tolist()
+    return [
+        TokenLogprobs(
+            token_id=t, logprob=chosen_l[j], rank=ranks_l[j], top=dict(zip(ids_l[j][:k], vals_l[j][:k], strict=True))
+        )
+        for j, (t, k) in enumerate(zip(tokens, ks, strict=True))
+    ]
 
 
 NO_TOKEN_LEFT = (
@@ -158,13 +162,8 @@ def sample(
 def _logprobs_into(
     infos: list, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int], wanted: list[int]
 ) -> None:  # type: ignore[type-arg]
-    """One pass over the rows that asked: log_softmax, chosen values, ranks and top-k together."""
+    """The rows that asked, in one pass."""
     rows = logits[torch.tensor(wanted)] if len(wanted) < len(logits) else logits
-    chosen_ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.int64)
-    k = max(seqs[i].params.logprobs for i in wanted)
-    chosen, ranks, top_i, top_v = ops.token_logprobs(rows.float().contiguous(), chosen_ids, k)
-    chosen_l, ranks_l, ids_l, vals_l = chosen.tolist(), ranks.tolist(), top_i.tolist(), top_v.tolist()
-    for j, i in enumerate(wanted):
-        n = seqs[i].params.logprobs
-        top = {} if not n else dict(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
-        infos[i] = TokenLogprobs(token_id=tokens[i], logprob=chosen_l[j], rank=ranks_l[j], top=top)
+    entries = logprob_entries(rows, [tokens[i] for i in wanted], [seqs[i].params.logprobs for i in wanted])
+    for i, entry in zip(wanted, entries, strict=True):
+        infos[i] = entry
