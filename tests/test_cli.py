@@ -65,3 +65,10 @@ def test_invalid_flags_are_user_errors(smol_dir):
     assert proc.returncode == 1 and "exceeds the model's context of 8192 tokens" in proc.stderr
     proc = _run(["generate", str(smol_dir), "--prompt", "hi", "--dtype", "int3"])
     assert proc.returncode == 1 and "--dtype 'int3' is not supported" in proc.stderr
+
+
+def test_a_kv_cache_dtype_the_cache_would_not_hold_is_refused(smol_dir):
+    """--kv-cache-dtype bfloat16 is honoured only when the model (hence its KV cache) is bf16."""
+    proc = _run(["serve", str(smol_dir), "--dtype", "float32", "--kv-cache-dtype", "bfloat16", "--port", "0"])
+    assert proc.returncode == 1
+    assert "--kv-cache-dtype bfloat16: the KV cache holds the model's dtype, float32 here" in proc.stderr

@@ -14,15 +14,13 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpuserve.bench.server_process import free_port, running_server
+from cpuserve.bench.server_process import free_port, running_server, server_process
 
 
 @dataclass(frozen=True)
@@ -130,40 +128,14 @@ async def measure(base: str, workload: Workload, streams: int, vocab: int, seed:
     return point
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server did not become healthy in {timeout:.0f} s")
-        time.sleep(0.2)
-
-
 @contextmanager
 def llama_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path) -> Iterator[str]:
     """llama-server with `slots` parallel sequences of 1024 tokens each, on `threads` threads."""
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
     cmd += ["-tb", str(threads), "-np", str(slots), "-c", str(1024 * slots), "--no-webui"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            _wait_healthy(base, proc, log)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with server_process(cmd, port, log=log, timeout=300) as (base, _):
+        yield base
 
 
 def run_engine(base: str, workloads: list[Workload], vocab: int, seed: int) -> dict[str, list[Point]]:

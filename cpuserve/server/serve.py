@@ -202,7 +202,6 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     from cpuserve.server.app import ServerConfig, create_app
     from cpuserve.server.shutdown import HttpServer
 
-    model_dir = None
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -214,14 +213,20 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
     )
 
     def load() -> LLMEngine:
-        nonlocal model_dir
         model_dir = resolve_model(args.model, args.cache_dir)  # a GGUF's directory is made here, once
-        return LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
+        engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
+        kv = str(engine.model.dtype).removeprefix("torch.")
+        if args.kv_cache_dtype in ("bfloat16", "bf16") and kv != "bfloat16":
+            raise CpuserveError(
+                f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache holds the model's dtype, {kv} here "
+                f"(--dtype {args.dtype}); use --kv-cache-dtype auto, or --dtype bfloat16"
+            )
+        return engine
 
     # Loaded on the engine thread, which alone computes in parallel (AsyncEngine.load says why).
     async_engine = AsyncEngine.load(load, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
     engine = async_engine.engine
-    assert model_dir is not None
+    model_dir = Path(engine.facts["path"])
     engine.grammars.prepare_in_background()  # structured outputs' token trie, off the first request's path
     # What loading made lives as long as the server: out of the collector's sight, a full
     # collection during a decode step walks only what requests allocate.

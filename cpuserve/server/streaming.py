@@ -54,6 +54,15 @@ async def _instrumented(
 DISCONNECT_POLL_SECONDS = 0.2  # a prefill chunk takes longer: a client gone mid-prefill is seen within one
 
 
+async def _client_left(task: asyncio.Future, request: Request | None) -> bool:
+    """Wait for `task`; True (task still running) as soon as the client has disconnected."""
+    while request is not None and not task.done():
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if not done and await request.is_disconnected():
+            return True
+    return False
+
+
 async def start(server: Server, jobs: list[Job], request: Request | None = None) -> Started:
     """Start every engine request and wait for its first output, so that a rejected request
     (InvalidRequest) becomes an error response before any byte of a stream is sent. The first
@@ -63,10 +72,8 @@ async def start(server: Server, jobs: list[Job], request: Request | None = None)
     streams = [_instrumented(server, j, prompt, p) for j, prompt, p in jobs]
     waiting = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams), return_exceptions=True))
     try:
-        while request is not None and not waiting.done():
-            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_SECONDS)
-            if not done and await request.is_disconnected():
-                raise APIError(499, "the client closed the request", "ClientClosedRequest")
+        if await _client_left(waiting, request):
+            raise APIError(499, "the client closed the request", "ClientClosedRequest")
         firsts = await waiting
     except BaseException:
         waiting.cancel()
@@ -128,14 +135,12 @@ async def collect(server: Server, request: Request, jobs: list[Job]) -> list[Req
             finals[i] = out
 
     task = asyncio.ensure_future(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await merged.aclose()
-            return None
+    if await _client_left(task, request):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await merged.aclose()
+        return None
     task.result()
     return [finals[i] for i in range(len(jobs))]
 
