@@ -82,9 +82,9 @@ class AsyncEngine:
         only one that ever runs torch's parallel regions; then the caller's thread, and threads it
         starts later, run torch single-threaded. libgomp gives every thread that opens a parallel
         region its own pool, and once its threads outnumber the CPUs it stops spinning between
-        regions: each region then waits for a futex wake-up. A model loaded on the main thread and
-        run on the engine thread measured so: a 1-row linear 60 -> 200-250 us, SmolLM2 decode in the
-        server 92 -> 33 tok/s on 2 cores."""
+        regions: each region then waits for a futex wake-up. Measured on 2 cores (docs/benchmarks.md,
+        "Serving under load"): a 1-row linear 74 us on the thread that opened the first pool, 256 us on
+        a second; SmolLM2 through the server 24-74 tok/s before, 50-97 after (prompt-heavy)."""
         self = cls(None, on_fatal, factory)
         self._loaded.result()
         import torch
