@@ -3,9 +3,9 @@
 16-bit activations pay only where the CPU multiplies 16-bit values natively (x86 AVX512_BF16 or
 AMX-BF16, AVX512-FP16; Arm BF16, FP16 arithmetic). Elsewhere torch converts every bf16 element
 in and out of float32 around each op: with torch held to AVX2 a bf16 matmul of 256 rows by
-SmolLM2's output head took 587 ms against 89 ms in float32 (docs/benchmarks.md, "Serving under load"). So `auto` keeps the
-checkpoint's 16-bit dtype only where the CPU, and torch on it, has the dot products for it, and
-computes in float32 otherwise. torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) cannot use
+SmolLM2's output head took 587 ms against 89 ms in float32 (docs/benchmarks.md, "Serving under load").
+So `auto` keeps the checkpoint's 16-bit dtype only where the CPU, and torch on it, has the dot
+products for it, and computes in float32 otherwise. torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) cannot use
 AVX512_BF16 even where the CPU has it, so that counts too.
 """
 
