@@ -18,6 +18,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, platform_plan)
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise CpuserveError("cpuserve cluster needs Ray Serve: pip install 'cpuserve[cluster]'") from None
+    from cpuserve.cluster.app import run_cluster
+
+    return run_cluster(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpuserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cpuserve {__version__}")
@@ -31,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API (a drop-in for `vllm serve`)")
     add_serve_args(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    from cpuserve.cluster.app import add_cluster_args
+
+    clu = sub.add_parser(
+        "cluster", help="serve a model from N replicas on a Ray cluster behind one OpenAI-compatible ingress"
+    )
+    add_serve_args(clu)
+    add_cluster_args(clu)
+    clu.set_defaults(func=_cmd_cluster)
 
     models.add_doctor_parser(sub)
     bench.add_parser(sub)

@@ -10,7 +10,10 @@ import argparse
 import gc
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cpuserve import defaults
 from cpuserve.errors import CpuserveError
@@ -124,7 +127,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true")
 
 
-def _check(args: argparse.Namespace) -> None:
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse flag values the engine cannot honour (one line each); log the accepted no-ops."""
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         raise CpuserveError("--tensor-parallel-size and --pipeline-parallel-size must be 1: cpuserve runs one engine")
     if args.kv_cache_dtype not in ("auto", "bfloat16", "bf16"):
@@ -188,19 +192,29 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
-def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-untyped-def]
-    """Load, log what was chosen, and serve until interrupted."""
+@dataclass
+class BuiltServer:
+    """What `cpuserve serve` runs: the engine (loaded, on its own thread) and the app in front of it."""
+
+    engine: Any  # AsyncEngine
+    app: Any  # FastAPI
+    api_key: str | None
+
+
+def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[BaseException], None]) -> BuiltServer:  # type: ignore[no-untyped-def]
+    """Check the flags, plan the machine, load the model and build the app; logs what was chosen.
+
+    `cpuserve serve` and each replica of `cpuserve cluster` call this, so both validate, answer and
+    refuse requests the same way. `on_fatal` is called on the engine thread after a fatal engine error.
+    """
     if args.model_flag and args.model and args.model_flag != args.model:
         raise CpuserveError("give the model once: positional MODEL or --model")
     args.model = args.model or args.model_flag
-    _check(args)
+    check_serve_args(args)
     machine, overrides, _ = platform_plan(args)
-    import uvicorn
-
     from cpuserve.engine import AsyncEngine, EngineConfig, LLMEngine
     from cpuserve.model.resolve import BUNDLED_NAME, resolve_model
     from cpuserve.server.app import ServerConfig, create_app
-    from cpuserve.server.shutdown import HttpServer
 
     config = EngineConfig(
         max_model_len=args.max_model_len,
@@ -224,7 +238,7 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         return engine
 
     # Loaded on the engine thread, which alone computes in parallel (AsyncEngine.load says why).
-    async_engine = AsyncEngine.load(load, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
+    async_engine = AsyncEngine.load(load, on_fatal=on_fatal)
     engine = async_engine.engine
     model_dir = Path(engine.facts["path"])
     engine.grammars.prepare_in_background()  # structured outputs' token trie, off the first request's path
@@ -261,19 +275,29 @@ def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-un
         engine.max_model_len,
     )
     log.info("kernels: %s", "; ".join(f"{k}: {v}" for k, v in facts["kernels"].items()))
+    return BuiltServer(async_engine, app, api_key)
+
+
+def serve(args: argparse.Namespace, platform_plan) -> int:  # type: ignore[no-untyped-def]
+    """Load, log what was chosen, and serve until interrupted."""
+    import uvicorn
+
+    from cpuserve.server.shutdown import HttpServer
+
+    built = build_server(args, platform_plan, on_fatal=lambda exc: http.stop_for_fatal_error(exc))
     log.info(
         "listening on http://%s:%d (OpenAI API under /v1)%s",
         args.host,
         args.port,
-        "; API key required" if api_key else "",
+        "; API key required" if built.api_key else "",
     )
     http = HttpServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False),
-        app.state.server,
+        uvicorn.Config(built.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False),
+        built.app.state.server,
         args.shutdown_timeout,
     )
     http.run()
-    async_engine.shutdown()
+    built.engine.shutdown()
     if http.fatal is not None:
         log.error("exiting after a fatal engine error: %s", http.fatal)
         return 1

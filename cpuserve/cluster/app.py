@@ -1,0 +1,204 @@
+"""The Ray Serve application (N engine replicas behind one ingress) and `cpuserve cluster`, which runs it.
+
+`cpuserve cluster MODEL --replicas N [serve flags]` connects to the Ray cluster this machine belongs
+to (`ray start --head` here, `ray start --address HEAD:6379` on each machine that joins), or starts
+a one-machine Ray when there is none, and serves until SIGTERM/SIGINT. The same application is
+what `serve run cpuserve.cluster.app:build model=... replicas=2` (or a Serve config file naming
+`cpuserve.cluster.app:build`) deploys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import threading
+from typing import Any
+
+from cpuserve.errors import CpuserveError
+
+log = logging.getLogger("cpuserve")
+
+APP_NAME = "cpuserve"
+# Set by each replica for itself (cluster/cores.py): never copied from the driver.
+PER_REPLICA_ENV = {"CPUSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND", "CPUSERVE_NUM_THREADS", "OMP_NUM_THREADS"}
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--replicas", type=int, default=1, help="engine replicas to start with (default 1)")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscale down to this many (default: --replicas)")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many (default: --replicas)")
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=16.0,
+        help="autoscaling aims at this many requests in flight per replica (queued ones count)",
+    )
+    g.add_argument("--threads-per-replica", type=int, default=1, help="cores (and Ray CPUs) each replica takes")
+    g.add_argument(
+        "--prefix-imbalance",
+        type=int,
+        default=4,
+        help="send a request to the replica holding its prompt's prefix unless that replica has this many more "
+        "requests in flight than the least-loaded one",
+    )
+    g.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else the one `ray start` made on this machine, "
+        "else a new one-machine Ray)",
+    )
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    """The serve flags in `args` written back as a command line (the replicas parse it as `cpuserve serve`)."""
+    from cpuserve.server.serve import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if not action.option_strings:
+            argv.append(str(value))
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(f"--{'' if value else 'no-'}{action.option_strings[0].removeprefix('--')}")
+        elif action.nargs == 0:
+            argv.append(action.option_strings[0])
+        elif isinstance(value, list):
+            argv += [action.option_strings[0], *map(str, value)]
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def replica_env() -> dict[str, str]:
+    """cpuserve's and the reference's settings from this shell, for replicas on any machine."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("CPUSERVE_", "VLLM_")) and k not in PER_REPLICA_ENV}
+
+
+def build_application(args: argparse.Namespace) -> Any:
+    """The Serve application: the engine deployment (autoscaled, prefix-routed) and the ingress."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from cpuserve.cluster.ingress import Ingress
+    from cpuserve.cluster.replica import EngineReplica, serve_args
+    from cpuserve.server.serve import check_serve_args
+
+    lo = args.min_replicas if args.min_replicas is not None else args.replicas
+    hi = args.max_replicas if args.max_replicas is not None else args.replicas
+    if not 0 < lo <= args.replicas <= hi:
+        raise CpuserveError(
+            f"replicas: need 1 <= --min-replicas ({lo}) <= --replicas ({args.replicas}) <= --max-replicas ({hi})"
+        )
+    if args.threads_per_replica < 1:
+        raise CpuserveError("--threads-per-replica must be at least 1")
+    argv = serve_argv(args)
+    parsed = serve_args(argv)  # the replicas' own parse and checks: a flag they would refuse fails here first
+    check_serve_args(parsed)
+    api_key = parsed.api_key or os.environ.get("VLLM_API_KEY") or None
+    if api_key and not parsed.api_key:
+        argv += ["--api-key", api_key]  # replicas on other machines do not see this shell's environment
+    scaling: dict[str, Any] = {"num_replicas": args.replicas}
+    if lo != hi:
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": lo,
+                "max_replicas": hi,
+                "initial_replicas": args.replicas,
+                "target_ongoing_requests": args.target_ongoing_requests,
+            }
+        }
+    engines = serve.deployment(
+        EngineReplica,
+        name="cpuserve-engine",
+        ray_actor_options={"num_cpus": args.threads_per_replica, "runtime_env": {"env_vars": replica_env()}},
+        # Past this Ray queues at the router; each engine batches up to --max-num-seqs and queues the rest.
+        max_ongoing_requests=parsed.max_num_seqs + parsed.max_waiting_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class="cpuserve.cluster.router.PrefixAwareRouter",
+            request_router_kwargs={"imbalance": args.prefix_imbalance},
+            request_routing_stats_period_s=1.0,
+            request_routing_stats_timeout_s=10.0,
+        ),
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=parsed.shutdown_timeout,
+        **scaling,
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name="cpuserve-ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000,  # it only forwards; the engines' limits are the real ones
+    )
+    return ingress.bind(engines.bind(argv, args.threads_per_replica), api_key, parsed.max_request_bytes)
+
+
+def build(config: dict[str, Any]) -> Any:
+    """`serve run cpuserve.cluster.app:build model=PATH replicas=2 serve_args='--max-num-seqs 32'`."""
+    parser = argparse.ArgumentParser()
+    from cpuserve.server.serve import add_serve_args
+
+    add_serve_args(parser)
+    add_cluster_args(parser)
+    argv = shlex.split(str(config.get("serve_args", "")))
+    if config.get("model"):
+        argv.insert(0, str(config["model"]))
+    for key, value in config.items():
+        if key not in ("model", "serve_args"):
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return build_application(parser.parse_args(argv))
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """Deploy on the Ray cluster and serve until SIGTERM/SIGINT; then delete the app (replicas drain)."""
+    import ray
+    from ray import serve
+
+    app = build_application(args)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    started_here = False
+    if address is None:
+        try:
+            ray.init(address="auto", logging_level=logging.WARNING)
+        except ConnectionError:
+            log.info("no Ray cluster on this machine: starting a one-machine Ray")
+            ray.init(logging_level=logging.WARNING)
+            started_here = True
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
+    resources = ray.cluster_resources()
+    log.info(
+        "Ray cluster: %d node(s), %g CPUs; %d replica(s) of %d thread(s)",
+        len([n for n in ray.nodes() if n.get("Alive")]),
+        resources.get("CPU", 0),
+        args.replicas,
+        args.threads_per_replica,
+    )
+    serve.start(http_options={"host": args.host, "port": args.port})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    log.info(
+        "listening on http://%s:%d (OpenAI API under /v1; /health and /metrics cover every replica)",
+        args.host,
+        args.port,
+    )
+    stop.wait()
+    log.info("stopping: replicas finish their requests (up to %.0f s)", args.shutdown_timeout)
+    serve.delete(APP_NAME)
+    if started_here:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

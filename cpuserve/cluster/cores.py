@@ -1,0 +1,67 @@
+"""Which cores a replica pins its threads to: disjoint from the other replicas on the same machine.
+
+Ray counts CPUs per node but does not say which cores an actor may use; two replicas left to the
+kernel share cores and each one's OpenMP pool stalls on the other's. So each replica claims
+physical cores in a machine-wide file (under a lock), preferring one NUMA node, and releases
+them by dying: claims of processes that no longer exist are dropped by the next claimer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+CLAIMS_FILE = Path(os.environ.get("CPUSERVE_CLUSTER_CLAIMS", "/tmp/cpuserve-cluster-cores.json"))
+
+
+def choose_cores(cores_by_node: dict[int, list[int]], taken: list[int], count: int) -> tuple[list[int], str]:
+    """`count` cores, free ones first, all from one NUMA node when one has enough; and why.
+
+    `cores_by_node`: the usable physical cores of each node; `taken`: cores other replicas hold
+    (a core may appear once per holder).
+    """
+    use = Counter(taken)
+    free = {node: [c for c in cores if use[c] == 0] for node, cores in cores_by_node.items()}
+    fits = [node for node, cores in sorted(free.items()) if len(cores) >= count]
+    if fits:
+        node = min(fits, key=lambda n: (len(free[n]), n))  # the tightest fit keeps big holes for big replicas
+        where = f"NUMA node {node}" if len(cores_by_node) > 1 else "this machine"
+        return free[node][:count], f"{count} free core(s) of {where}"
+    every = [c for _, cores in sorted(cores_by_node.items()) for c in cores]
+    chosen = sorted(every, key=lambda c: (use[c], every.index(c)))[:count]
+    shared = [c for c in chosen if use[c]]
+    if shared:
+        return chosen, f"only {count - len(shared)} free core(s) left: sharing {len(shared)} with other replicas"
+    return chosen, f"{count} free core(s) across NUMA nodes"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_cores(cores_by_node: dict[int, list[int]], count: int, path: Path = CLAIMS_FILE) -> tuple[list[int], str]:
+    """Claim cores for this process in the machine-wide file; see choose_cores."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            claims = {int(pid): cores for pid, cores in json.loads(f.read() or "{}").items()}
+        except (ValueError, AttributeError):
+            claims = {}
+        claims = {pid: cores for pid, cores in claims.items() if pid != os.getpid() and _alive(pid)}
+        chosen, why = choose_cores(cores_by_node, [c for cores in claims.values() for c in cores], count)
+        claims[os.getpid()] = chosen
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({str(pid): cores for pid, cores in claims.items()}))
+    return chosen, why

@@ -1,0 +1,200 @@
+"""The cluster's one OpenAI-compatible front door: forwards every route to a replica, retries, reports.
+
+Each request's body is read once (within the same size limit as `cpuserve serve`), its prompt's
+prefix hashed for the router, and the request handed whole to a replica, which runs it through
+cpuserve's own app; the response (streamed or not) comes back as the replica wrote it. A
+replica that answers 503 (full, draining) or dies before the ingress has sent anything is tried
+once more on another replica; one that dies mid-stream ends the stream with an error event and
+[DONE]. /health and /metrics report every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.exceptions import RayError
+
+import cpuserve.cluster.live as live
+from cpuserve.cluster.forwarding import ForwardedRequest, ResponseStart
+from cpuserve.cluster.metrics import IngressMetrics
+from cpuserve.cluster.prefix import request_prefix
+from cpuserve.server.auth import APIKeyAuth
+from cpuserve.server.body_limit import BodySizeLimit
+from cpuserve.server.errors import APIError, install_error_handlers
+
+log = logging.getLogger("cpuserve.cluster")
+
+RETRIES = 1  # another replica, once: a second failure is the cluster's, not one replica's
+REPLICA_WAIT_S = 60.0  # longest wait for any replica to take a request (all of them restarting)
+SSE_REPLICA_DIED = {
+    "error": {
+        "message": "The replica serving this request failed; the request was stopped. Retry it.",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+}
+
+
+class RelayedResponse(Response):
+    """A replica's response sent on as it is: its status, its headers, its body as it comes."""
+
+    def __init__(self, start: ResponseStart, chunks: AsyncIterator[bytes]) -> None:
+        self.status_code = start.status
+        self.raw_headers = list(start.headers)
+        self.chunks = chunks
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Ingress:
+    """The ingress deployment (wrapped in cluster/app.py): one per cluster, no CPUs of its own."""
+
+    def __init__(self, engines: Any, api_key: str | None, max_request_bytes: int) -> None:
+        self.engines = engines
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.metrics = IngressMetrics()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_ingress_app(self)
+
+    # --- what the ingress knows about the replicas (through the router Ray runs in this process)
+    def routers(self) -> list[Any]:
+        return list(live.ROUTERS)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        return {
+            r.replica_id.unique_id: dict(r.routing_stats or {}) for router in self.routers() for r in router.replicas()
+        }
+
+    # --- forwarding
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        forwarded = ForwardedRequest(
+            method=request.method,
+            path=request.url.path,
+            query_string=request.scope.get("query_string", b""),
+            headers=list(request.scope["headers"]),
+            body=body,
+            client=tuple(request.scope["client"]) if request.scope.get("client") else None,
+            prefix=request_prefix(body) if request.method == "POST" else [],
+        )
+        avoid: list[str] = []
+        for attempt in range(RETRIES + 1):
+            last = attempt == RETRIES
+            stream = self.engines.options(stream=True).forward.remote(replace(forwarded, avoid=tuple(avoid)))
+            replica = None
+            try:
+                replica = await asyncio.wait_for(stream.__anext__(), REPLICA_WAIT_S)
+                start: ResponseStart = await stream.__anext__()
+                if start.status == 503 and not last and len(self.replica_stats()) > 1:
+                    stream.cancel()
+                    avoid.append(start.replica)
+                    self.metrics.retries.labels("replica_503").inc()
+                    continue
+                first = await anext(stream, None)  # for a non-streamed answer: all of it
+            except TimeoutError:
+                stream.cancel()
+                raise APIError(
+                    503, "No replica is available; retry shortly.", "ServiceUnavailableError", code="no_replica"
+                ) from None
+            except RayError as exc:
+                stream.cancel()
+                if replica is not None:
+                    avoid.append(replica)
+                if not last:
+                    log.warning(
+                        "replica %s failed before answering (%s); retrying on another", replica, type(exc).__name__
+                    )
+                    self.metrics.retries.labels("replica_failed").inc()
+                    continue
+                self.metrics.failures.inc()
+                raise APIError(
+                    503,
+                    "The replica serving this request failed before answering; retry.",
+                    "ServiceUnavailableError",
+                    code="replica_failed",
+                ) from None
+            return RelayedResponse(start, self._relay(start, first, stream))
+        raise AssertionError("unreachable")
+
+    async def _relay(self, start: ResponseStart, first: bytes | None, stream: Any) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield first
+                async for chunk in stream:
+                    yield chunk
+        except RayError as exc:
+            self.metrics.failures.inc()
+            log.warning("replica %s failed mid-response (%s)", start.replica, type(exc).__name__)
+            if start.header(b"content-type").startswith(b"text/event-stream"):
+                yield f"data: {json.dumps(SSE_REPLICA_DIED)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # a client gone: the replica's app sees it leave and stops the request
+
+    # --- reports
+    def health(self) -> Response:
+        replicas = self.replica_stats()
+        view = {
+            "replicas": [
+                {"replica": rid, **{k: v for k, v in stats.items() if k != "metrics"}}
+                for rid, stats in replicas.items()
+            ],
+            "deployments": _serve_states(),
+        }
+        return JSONResponse(view, status_code=200 if replicas else 503)
+
+    def render_metrics(self) -> Response:
+        replicas = self.replica_stats()
+        texts = {rid: s["metrics"] for rid, s in replicas.items() if s.get("metrics")}
+        routed = sum(router.prefix_routed for router in self.routers())
+        return Response(self.metrics.render(texts, len(replicas), routed), media_type="text/plain; version=0.0.4")
+
+
+def _serve_states() -> dict[str, dict[str, int]]:
+    """Replica states per deployment, as Ray Serve's controller sees them (starting, running, ...)."""
+    try:
+        status = serve.status()
+    except Exception:  # the controller is being restarted: the replicas' own view stands
+        return {}
+    return {
+        name: {str(state): count for state, count in d.replica_states.items()}
+        for app in status.applications.values()
+        for name, d in app.deployments.items()
+    }
+
+
+def build_ingress_app(ingress: Ingress) -> FastAPI:
+    app = FastAPI(title="cpuserve cluster", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=ingress.max_request_bytes)
+    app.add_middleware(APIKeyAuth, api_key=ingress.api_key)  # outermost: 401 before any body is read
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return ingress.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return ingress.render_metrics()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+    async def forward(request: Request) -> Response:
+        return await ingress.forward(request)
+
+    return app

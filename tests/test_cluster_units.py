@@ -1,0 +1,246 @@
+"""The cluster's pure parts: prompt prefixes, the routing order, core claims, flags to replicas, merged metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+pytest.importorskip("ray.serve")
+
+from cpuserve.cluster.app import add_cluster_args, build, serve_argv
+from cpuserve.cluster.cores import choose_cores, claim_cores
+from cpuserve.cluster.forwarding import ForwardedRequest, run_asgi
+from cpuserve.cluster.metrics import IngressMetrics
+from cpuserve.cluster.prefix import BLOCK_CHARS, PrefixTable, block_hashes, prompt_text, request_prefix
+from cpuserve.cluster.replica import kv_share_gib
+from cpuserve.cluster.router import rank_replicas
+from cpuserve.server.serve import add_serve_args
+
+SYSTEM = "You are a careful assistant. " * 40  # 1160 characters: four whole blocks
+
+
+# --- prefixes
+def test_block_hashes_are_chained_and_whole_blocks_only() -> None:
+    a = "x" * (3 * BLOCK_CHARS + 10)
+    ha = block_hashes(a)
+    assert len(ha) == 3
+    assert len(set(ha)) == 3  # equal blocks, different positions: chained hashes differ
+    b = "x" * (2 * BLOCK_CHARS) + "y" + "x" * BLOCK_CHARS
+    hb = block_hashes(b)
+    assert hb[:2] == ha[:2] and hb[2] != ha[2]
+    assert block_hashes("x" * (BLOCK_CHARS - 1)) == []
+
+
+def test_prompt_text_orders_chat_as_rendered() -> None:
+    body = {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]},
+        ],
+    }
+    text = prompt_text(body)
+    assert text == json.dumps(body["tools"], sort_keys=True) + "\x00system\x00S\x00user\x00AB\x00assistant\x00{}"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"prompt": "hello"}, "hello"),
+        ({"prompt": ["first", "second"]}, "first"),
+        ({"prompt": [1, 2, 3]}, "[1, 2, 3]"),
+        ({"prompt": [[1, 2], [3]]}, "[1, 2]"),
+        ({"input": "embed me"}, "embed me"),
+        ({"instructions": "I", "input": [{"role": "user", "content": "Q"}]}, "\x00system\x00IQ"),
+        ({"system": [{"type": "text", "text": "T"}], "messages": []}, "\x00system\x00T"),
+    ],
+)
+def test_prompt_text_of_each_route(body: dict, expected: str) -> None:
+    assert prompt_text(body) == expected
+
+
+def test_conversation_that_grows_keeps_its_prefix() -> None:
+    first = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]}
+    longer = {
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "More"},
+        ]
+    }
+    h1, h2 = request_prefix(json.dumps(first).encode()), request_prefix(json.dumps(longer).encode())
+    assert len(h1) == 4 and h2[: len(h1)] == h1
+    assert request_prefix(b"not json") == [] and request_prefix(b"[1, 2]") == []
+
+
+def test_prefix_table_longest_owner_lru_and_forget() -> None:
+    table = PrefixTable(capacity=5)
+    a, b = block_hashes(SYSTEM + "a" * 600), block_hashes(SYSTEM + "b" * 600)
+    assert len(a) == 6 and a[:4] == b[:4] and a[4] != b[4]
+    table.record(a[:4], "r1")
+    table.record(b[:5], "r2")  # takes over the shared blocks; capacity 5 evicts the oldest
+    assert table.match(a, {"r1", "r2"}) == ("r2", 4)
+    assert table.match(b, {"r1", "r2"}) == ("r2", 5)
+    assert table.match(b, {"r1"}) == (None, 0)  # r2 not a candidate (dead, avoided)
+    assert len(table) == 5
+    table.forget("r2")
+    assert len(table) == 0 and table.match(b, {"r1", "r2"}) == (None, 0)
+
+
+# --- routing order
+def test_rank_prefers_the_prefix_owner_within_the_imbalance() -> None:
+    load, kv = {"a": 0.0, "b": 3.0, "c": 1.0}, {"a": 0.5, "b": 0.0, "c": 0.0}
+    assert rank_replicas(load, kv, "b", imbalance=4) == [["b"], ["a"], ["c"]]
+    assert rank_replicas(load, kv, "b", imbalance=2) == [["a"], ["c"], ["b"]]  # 3 - 0 > 2: least loaded
+    assert rank_replicas(load, kv, None, imbalance=4) == [["a"], ["c"], ["b"]]
+    assert rank_replicas(load, kv, "gone", imbalance=4) == [["a"], ["c"], ["b"]]
+
+
+def test_rank_breaks_load_ties_by_kv_use_then_key() -> None:
+    assert rank_replicas({"b": 1, "a": 1, "c": 1}, {"b": 0.1, "a": 0.2, "c": 0.1}, None, 4) == [["b"], ["c"], ["a"]]
+
+
+# --- cores
+def test_choose_cores_free_first_one_node_then_shared() -> None:
+    nodes = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    assert choose_cores(nodes, [], 2) == ([0, 1], "2 free core(s) of NUMA node 0")
+    assert choose_cores(nodes, [0, 1, 2], 2) == ([4, 5], "2 free core(s) of NUMA node 1")
+    assert choose_cores(nodes, [0, 1, 2, 4, 5], 2) == ([6, 7], "2 free core(s) of NUMA node 1")
+    cores, why = choose_cores(nodes, [0, 1, 4, 5, 6], 3)
+    assert cores == [2, 3, 7] and "across NUMA nodes" in why
+    cores, why = choose_cores({0: [0, 1]}, [0, 1, 0], 2)
+    assert cores == [1, 0] and "sharing 2" in why
+
+
+def test_claims_skip_live_holders_and_drop_dead_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "claims.json"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        path.write_text(json.dumps({str(holder.pid): [0], str(dead.pid): [1]}))
+        assert claim_cores({0: [0, 1, 2]}, 2, path) == ([1, 2], "2 free core(s) of this machine")
+        claims = json.loads(path.read_text())
+        assert claims == {str(holder.pid): [0], str(os.getpid()): [1, 2]}
+    finally:
+        holder.kill()
+
+
+def test_kv_share_is_the_cores_share_of_half_the_memory() -> None:
+    assert kv_share_gib(16 * 1024**3, 1, 4) == pytest.approx(2.0)
+    assert kv_share_gib(1024**2, 1, 64) == 0.25
+
+
+# --- flags
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    add_cluster_args(p)
+    return p
+
+
+def _serve_only(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(argv)
+
+
+def test_serve_flags_reach_replicas_as_written() -> None:
+    argv = [
+        "/models/m",
+        "--replicas",
+        "2",
+        "--max-num-seqs",
+        "8",
+        "--served-model-name",
+        "a",
+        "b",
+        "--no-enable-prefix-caching",
+        "--disable-log-stats",
+        "--threads-per-replica",
+        "1",
+        "--quantize-lm-head",
+        "none",
+    ]
+    args = _parser().parse_args(argv)
+    replica_argv = serve_argv(args)
+    assert "--replicas" not in replica_argv and "--threads-per-replica" not in replica_argv
+    parsed, direct = (
+        _serve_only(replica_argv),
+        _serve_only([a for a in argv if a not in ("--replicas", "--threads-per-replica", "2", "1")]),
+    )
+    assert vars(parsed) == vars(direct)
+    assert serve_argv(_parser().parse_args([])) == []
+
+
+def test_serve_run_builder_refuses_bad_flags_and_replica_counts() -> None:
+    with pytest.raises(SystemExit):
+        build({"model": "m", "serve_args": "--max-num-seqs nope"})
+    from cpuserve.errors import CpuserveError
+
+    with pytest.raises(CpuserveError, match="min-replicas"):
+        build({"replicas": 1, "min_replicas": 2})
+    with pytest.raises(CpuserveError, match="tensor-parallel"):
+        build({"serve_args": "-tp 2"})
+
+
+# --- metrics
+def test_ingress_metrics_label_each_replica() -> None:
+    from cpuserve.engine import EngineStats
+    from cpuserve.server.metrics import Metrics
+
+    def text(running: int) -> str:
+        m = Metrics("m")
+        m.prompt_tokens.inc(5)
+        return m.render(EngineStats(running, 0, 0.25, 10, 4, 0, 1, 5, 0)).decode()
+
+    out = IngressMetrics().render({"r1": text(1), "r2": text(3)}, live=2, prefix_routed=7).decode()
+    assert 'cpuserve:num_requests_running{model_name="m",replica="r1"} 1.0' in out
+    assert 'cpuserve:num_requests_running{model_name="m",replica="r2"} 3.0' in out
+    assert 'cpuserve:prompt_tokens_total{model_name="m",replica="r2"} 5.0' in out
+    assert out.count("# TYPE cpuserve:num_requests_running gauge") == 1  # one family, two samples
+    assert "cpuserve:cluster_replicas 2.0" in out and "cpuserve:cluster_prefix_routed 7.0" in out
+
+
+# --- the in-process call of the app
+def test_run_asgi_streams_and_reports_the_client_leaving() -> None:
+    app = FastAPI()
+    seen: dict[str, bool] = {}
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        return {"body": (await request.body()).decode(), "q": request.url.query}
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def gen():  # type: ignore[no-untyped-def]
+            try:
+                for i in range(1000):
+                    yield f"{i}\n".encode()
+                    await asyncio.sleep(0.01)
+                seen["finished"] = True
+            finally:
+                seen["stopped"] = True
+
+        return StreamingResponse(gen(), media_type="text/plain")
+
+    async def main() -> None:
+        req = ForwardedRequest("POST", "/echo", b"a=1", [(b"content-type", b"application/json")], b"hi")
+        items = [i async for i in run_asgi(app, req)]
+        assert items[0][0] == 200 and json.loads(b"".join(items[1:])) == {"body": "hi", "q": "a=1"}
+        gen = run_asgi(app, ForwardedRequest("GET", "/stream", b"", [], b""))
+        assert (await anext(gen))[0] == 200
+        assert await anext(gen) == b"0\n"
+        await gen.aclose()  # the consumer leaves
+        assert seen.get("stopped") is True and "finished" not in seen  # the app saw the client leave
+
+    asyncio.run(main())
