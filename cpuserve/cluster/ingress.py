@@ -11,6 +11,7 @@ once more on another replica; one that dies mid-stream ends the stream with an e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -148,7 +149,14 @@ class Ingress:
             stream.cancel()  # a client gone: the replica's app sees it leave and stops the request
 
     # --- reports
-    def health(self) -> Response:
+    async def _ensure_router(self) -> None:
+        """Ray creates the router with the handle's first call: before any request, make one."""
+        if not self.routers():
+            with contextlib.suppress(TimeoutError, RayError):  # no replica answers: /health says so
+                await asyncio.wait_for(self.engines.ping.remote(), REPLICA_WAIT_S)
+
+    async def health(self) -> Response:
+        await self._ensure_router()
         replicas = self.replica_stats()
         view = {
             "replicas": [
@@ -159,7 +167,8 @@ class Ingress:
         }
         return JSONResponse(view, status_code=200 if replicas else 503)
 
-    def render_metrics(self) -> Response:
+    async def render_metrics(self) -> Response:
+        await self._ensure_router()
         replicas = self.replica_stats()
         texts = {rid: s["metrics"] for rid, s in replicas.items() if s.get("metrics")}
         routed = sum(router.prefix_routed for router in self.routers())
@@ -187,11 +196,11 @@ def build_ingress_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return ingress.health()
+        return await ingress.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return ingress.render_metrics()
+        return await ingress.render_metrics()
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
     async def forward(request: Request) -> Response:

@@ -104,6 +104,9 @@ class EngineReplica:
             else:
                 yield item
 
+    def ping(self) -> str:
+        return self.replica
+
     def check_health(self) -> None:
         if self.fatal is not None or not self.built.engine.alive:
             raise RuntimeError(f"the engine stopped: {self.fatal}")
