@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from cpuserve.bench.cluster_bench import cluster_process
 from cpuserve.bench.server_process import free_port
 
 pytestmark = pytest.mark.slow
@@ -72,30 +73,11 @@ def _health(base: str) -> tuple[int, dict]:
 def cluster(
     ray_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = free_port()
+    """`cpuserve cluster` (the bundled model) joined to the two-node Ray, once both replicas report."""
     log = tmp_path_factory.mktemp("cluster") / "cluster.log"
-    cmd = [sys.executable, "-m", "cpuserve", "cluster", "--replicas", "2", "--threads-per-replica", "1"]
-    cmd += ["--port", str(port), "--api-key", KEY, "--max-num-seqs", "32"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ray_env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"cpuserve cluster exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            try:
-                status, view = _health(base)
-                if status == 200 and len(view["replicas"]) == 2 and all("pid" in r for r in view["replicas"]):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, f"no two healthy replicas in 240 s:\n{log.read_text()[-4000:]}"
-            time.sleep(1)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    args = ["--replicas", "2", "--threads-per-replica", "1", "--api-key", KEY, "--max-num-seqs", "32"]
+    with cluster_process(args, 2, ray_env, log, timeout=240) as running:
+        yield running
 
 
 def _stream_chat(prompt: str, max_tokens: int) -> dict:

@@ -131,6 +131,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="after MODEL: more `cpuserve serve` flags (options go before MODEL)",
     )
     bsv.set_defaults(func=cmd_bench_serving)
+    bcl = bench_sub.add_parser(
+        "cluster",
+        help="the same cores as one cpuserve serve or as replicas behind the Ray ingress: tok/s and the ingress's TTFT",
+    )
+    bcl.add_argument("model", nargs="?", default=None, help="what is served (default: the bundled model)")
+    bcl.add_argument("--threads", type=int, default=2, help="cores in every set-up (default 2)")
+    bcl.add_argument(
+        "--workload", action="append", choices=sorted(WORKLOADS), help="prompt-heavy (256/64), decode-heavy (32/128)"
+    )
+    bcl.add_argument("--work", default="benchmarks/.work/cluster", help="where the servers' logs go")
+    bcl.set_defaults(func=cmd_bench_cluster)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -179,6 +190,18 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
     command = "cpuserve bench serving " + " ".join(sys.argv[3:])
     print(render(result, command, host_isa()))
     return 1 if any(p.errors for pts in [result.ours, result.peer or {}] for ps in pts.values() for p in ps) else 0
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from cpuserve.bench.cluster_bench import render, run
+    from cpuserve.bench.serving_bench import WORKLOADS, host_isa
+    from cpuserve.model.resolve import resolve_model
+
+    model = str(resolve_model(args.model))  # a GGUF's directory: made once, before the clock starts
+    workloads = [WORKLOADS[w] for w in (args.workload or list(WORKLOADS))]
+    results = run(model, args.threads, workloads, Path(args.work))
+    print(render(results, "cpuserve bench cluster " + " ".join(sys.argv[3:]), host_isa(), args.threads))
+    return 1 if any(p.errors for by in results.values() for pts in by.values() for p in pts) else 0
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
