@@ -133,7 +133,8 @@ def test_64_streams_well_formed_and_equal_on_either_replica(cluster: tuple[str, 
     time.sleep(2)  # replica figures reach the ingress every second
     after = {r["replica"]: r["generation_tokens"] for r in _health(base)[1]["replicas"]}
     assert sum(after.values()) - sum(before.values()) >= 64 * 16
-    assert all(after[k] > before.get(k, 0) for k in after), (before, after)  # both replicas served
+    shares = [(after[k] - before.get(k, 0)) / (64 * 16) for k in after]
+    assert all(0.35 <= share <= 0.65 for share in shares), (before, after)  # a burst is spread over both
 
 
 def test_same_answers_and_errors_as_serve(cluster: tuple[str, subprocess.Popen]) -> None:

@@ -173,6 +173,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             ray.init(address="auto", logging_level=logging.WARNING)
         except ConnectionError:
             log.info("no Ray cluster on this machine: starting a one-machine Ray")
+            os.environ.setdefault("RAY_worker_niceness", "0")  # engines at normal priority (replica.py)
             ray.init(logging_level=logging.WARNING)
             started_here = True
     else:

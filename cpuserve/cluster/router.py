@@ -11,6 +11,7 @@ Ray's base class handles the rest: probing queue lengths, skipping full replicas
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -20,6 +21,7 @@ from cpuserve.cluster.forwarding import ForwardedRequest
 from cpuserve.cluster.prefix import PrefixTable
 
 log = logging.getLogger("cpuserve.cluster")
+PLACING_TTL_S = 10.0  # a choice not followed by a send within this long (cancelled, failed) stops counting
 
 
 def replica_key(replica_id: ReplicaID) -> str:
@@ -52,6 +54,9 @@ class PrefixAwareRouter(RequestRouter):
         # Requests this router sent to each replica and not yet finished: exact and current, where
         # the replicas' own figures (record_routing_stats) are up to a second old.
         self.in_flight: dict[str, set[str]] = {}
+        # Requests chosen for but not yet sent to a replica (request id -> replica, when): a burst of
+        # requests is ranked one after another, and each must see the ones placed before it.
+        self.placing: dict[str, tuple[str, float]] = {}
         live.ROUTERS.add(self)
 
     def replicas(self) -> list[RunningReplica]:
@@ -65,18 +70,29 @@ class PrefixAwareRouter(RequestRouter):
         candidates = [r for r in candidate_replicas if replica_key(r.replica_id) not in avoid] or candidate_replicas
         if not candidates:
             return []
+        now = time.monotonic()
+        self.placing = {rid: p for rid, p in self.placing.items() if now - p[1] < PLACING_TTL_S}
         load: dict[str, float] = {}
         kv: dict[str, float] = {}
         for r in candidates:
             key = replica_key(r.replica_id)
             load[key] = float(len(self.in_flight.get(key, ())))
             kv[key] = float((r.routing_stats or {}).get("kv_usage", 0.0))
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        for rid, (key, _) in self.placing.items():
+            if key in load and rid != request_id:
+                load[key] += 1
         owner = self.prefixes.match(request.prefix, set(load))[0] if request is not None and request.prefix else None
+        ranks = rank_replicas(load, kv, owner, self.imbalance)
+        if request_id is not None:
+            self.placing[request_id] = (ranks[0][0], now)
         by_key = {replica_key(r.replica_id): r for r in candidates}
-        return [[by_key[k] for k in rank] for rank in rank_replicas(load, kv, owner, self.imbalance)]
+        return [[by_key[k] for k in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.in_flight.setdefault(replica_key(replica_id), set()).add(pending_request.metadata.internal_request_id)
+        request_id = pending_request.metadata.internal_request_id
+        self.placing.pop(request_id, None)
+        self.in_flight.setdefault(replica_key(replica_id), set()).add(request_id)
         request = request_of(pending_request)
         if request is not None and request.prefix:
             key = replica_key(replica_id)
@@ -85,6 +101,7 @@ class PrefixAwareRouter(RequestRouter):
             self.prefixes.record(request.prefix, key)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.placing.pop(internal_request_id, None)
         self.in_flight.get(replica_key(replica_id), set()).discard(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
