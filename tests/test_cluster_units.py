@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 pytest.importorskip("ray.serve")
 
-from cpuserve.cluster.app import add_cluster_args, build, serve_argv
+from cpuserve.cluster.app import add_cluster_args, build, engine_options, replica_argv, serve_argv
 from cpuserve.cluster.cores import choose_cores, claim_cores
 from cpuserve.cluster.forwarding import ForwardedRequest, run_asgi
 from cpuserve.cluster.metrics import IngressMetrics
@@ -191,6 +191,33 @@ def test_serve_run_builder_refuses_bad_flags_and_replica_counts() -> None:
         build({"replicas": 1, "min_replicas": 2})
     with pytest.raises(CpuserveError, match="tensor-parallel"):
         build({"serve_args": "-tp 2"})
+
+
+def test_deployment_options_fixed_or_autoscaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "k1")
+    monkeypatch.setenv("CPUSERVE_ISA", "avx2")
+    monkeypatch.setenv("CPUSERVE_THREADS_BIND", "0-3")  # each replica binds itself: never copied
+    args = _parser().parse_args(["m", "--replicas", "2", "--max-num-seqs", "8", "--max-waiting-requests", "10"])
+    argv, parsed, key = replica_argv(args)
+    assert argv == ["m", "--max-num-seqs", "8", "--max-waiting-requests", "10", "--api-key", "k1"] and key == "k1"
+    fixed = engine_options(args, parsed)
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == 18
+    assert fixed["ray_actor_options"]["num_cpus"] == 1
+    env = fixed["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["CPUSERVE_ISA"] == "avx2" and "CPUSERVE_THREADS_BIND" not in env and "VLLM_API_KEY" not in env
+    assert fixed["request_router_config"].request_router_kwargs == {"imbalance": 4}
+    args = _parser().parse_args(
+        ["--replicas", "2", "--min-replicas", "1", "--max-replicas", "3", "--threads-per-replica", "2"]
+    )
+    auto = engine_options(args, replica_argv(args)[1])
+    assert "num_replicas" not in auto and auto["ray_actor_options"]["num_cpus"] == 2
+    assert auto["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "initial_replicas": 2,
+        "target_ongoing_requests": 16.0,
+    }
 
 
 # --- metrics

@@ -23,7 +23,8 @@ log = logging.getLogger("cpuserve")
 
 APP_NAME = "cpuserve"
 # Set by each replica for itself (cluster/cores.py): never copied from the driver.
-PER_REPLICA_ENV = {"CPUSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND", "CPUSERVE_NUM_THREADS", "OMP_NUM_THREADS"}
+# The API key travels once, as --api-key in the replicas' flags (replica_argv).
+PER_REPLICA_ENV = {"CPUSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND", "CPUSERVE_NUM_THREADS", "VLLM_API_KEY"}
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -84,14 +85,27 @@ def replica_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(("CPUSERVE_", "VLLM_")) and k not in PER_REPLICA_ENV}
 
 
-def build_application(args: argparse.Namespace) -> Any:
-    """The Serve application: the engine deployment (autoscaled, prefix-routed) and the ingress."""
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
+def replica_argv(args: argparse.Namespace) -> tuple[list[str], argparse.Namespace, str | None]:
+    """The replicas' serve flags, as they will parse them (checked here first), and the API key.
 
-    from cpuserve.cluster.ingress import Ingress
-    from cpuserve.cluster.replica import EngineReplica, serve_args
+    The key from this shell's VLLM_API_KEY is written into the flags: replicas on other machines
+    do not see this environment.
+    """
+    from cpuserve.cluster.replica import serve_args
     from cpuserve.server.serve import check_serve_args
+
+    argv = serve_argv(args)
+    parsed = serve_args(argv)
+    check_serve_args(parsed)
+    api_key = parsed.api_key or os.environ.get("VLLM_API_KEY") or None
+    if api_key and not parsed.api_key:
+        argv += ["--api-key", api_key]
+    return argv, parsed, api_key
+
+
+def engine_options(args: argparse.Namespace, parsed: argparse.Namespace) -> dict[str, Any]:
+    """The engine deployment's Ray Serve options: replica count or autoscaling, CPUs, router, health."""
+    from ray.serve.config import RequestRouterConfig
 
     lo = args.min_replicas if args.min_replicas is not None else args.replicas
     hi = args.max_replicas if args.max_replicas is not None else args.replicas
@@ -101,12 +115,6 @@ def build_application(args: argparse.Namespace) -> Any:
         )
     if args.threads_per_replica < 1:
         raise CpuserveError("--threads-per-replica must be at least 1")
-    argv = serve_argv(args)
-    parsed = serve_args(argv)  # the replicas' own parse and checks: a flag they would refuse fails here first
-    check_serve_args(parsed)
-    api_key = parsed.api_key or os.environ.get("VLLM_API_KEY") or None
-    if api_key and not parsed.api_key:
-        argv += ["--api-key", api_key]  # replicas on other machines do not see this shell's environment
     scaling: dict[str, Any] = {"num_replicas": args.replicas}
     if lo != hi:
         scaling = {
@@ -117,23 +125,33 @@ def build_application(args: argparse.Namespace) -> Any:
                 "target_ongoing_requests": args.target_ongoing_requests,
             }
         }
-    engines = serve.deployment(
-        EngineReplica,
-        name="cpuserve-engine",
-        ray_actor_options={"num_cpus": args.threads_per_replica, "runtime_env": {"env_vars": replica_env()}},
+    return {
+        "name": "cpuserve-engine",
+        "ray_actor_options": {"num_cpus": args.threads_per_replica, "runtime_env": {"env_vars": replica_env()}},
         # Past this Ray queues at the router; each engine batches up to --max-num-seqs and queues the rest.
-        max_ongoing_requests=parsed.max_num_seqs + parsed.max_waiting_requests,
-        request_router_config=RequestRouterConfig(
+        "max_ongoing_requests": parsed.max_num_seqs + parsed.max_waiting_requests,
+        "request_router_config": RequestRouterConfig(
             request_router_class="cpuserve.cluster.router.PrefixAwareRouter",
             request_router_kwargs={"imbalance": args.prefix_imbalance},
             request_routing_stats_period_s=1.0,
             request_routing_stats_timeout_s=10.0,
         ),
-        health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=parsed.shutdown_timeout,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": parsed.shutdown_timeout,
         **scaling,
-    )
+    }
+
+
+def build_application(args: argparse.Namespace) -> Any:
+    """The Serve application: the engine deployment (autoscaled, prefix-routed) and the ingress."""
+    from ray import serve
+
+    from cpuserve.cluster.ingress import Ingress
+    from cpuserve.cluster.replica import EngineReplica
+
+    argv, parsed, api_key = replica_argv(args)
+    engines = serve.deployment(EngineReplica, **engine_options(args, parsed))
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="cpuserve-ingress",
