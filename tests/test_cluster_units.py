@@ -271,3 +271,114 @@ def test_run_asgi_streams_and_reports_the_client_leaving() -> None:
         assert seen.get("stopped") is True and "finished" not in seen  # the app saw the client leave
 
     asyncio.run(main())
+
+
+# --- the ingress's retries, with a stand-in for Ray's deployment handle
+class _Stream:
+    """What `handle.options(stream=True).forward.remote(...)` returns: items, or an exception to raise."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.cancelled = iter(items), False
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self):  # type: ignore[no-untyped-def]
+        item = next(self.items, StopAsyncIteration)
+        if item is StopAsyncIteration:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Handle:
+    def __init__(self, *scripts: list) -> None:
+        self.scripts, self.sent, self.streams = list(scripts), [], []
+        self.forward = self
+
+    def options(self, stream: bool) -> _Handle:
+        return self
+
+    def remote(self, request: ForwardedRequest) -> _Stream:
+        self.sent.append(request)
+        self.streams.append(_Stream(self.scripts.pop(0)))
+        return self.streams[-1]
+
+
+def _ingress_client(handle: _Handle, replicas: int = 2):  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    from cpuserve.cluster.ingress import Ingress, build_ingress_app
+
+    ingress = Ingress(handle, api_key="k", max_request_bytes=4000)
+    ingress.replica_stats = lambda: {f"r{i}": {} for i in range(replicas)}  # type: ignore[method-assign]
+    return TestClient(build_ingress_app(ingress)), ingress
+
+
+JSON = [(b"content-type", b"application/json")]
+SSE = [(b"content-type", b"text/event-stream")]
+KEYED = {"Authorization": "Bearer k"}
+
+
+def test_ingress_sends_a_503_once_more_elsewhere() -> None:
+    from ray.exceptions import ActorDiedError
+
+    from cpuserve.cluster.forwarding import ResponseStart
+
+    full = ["r0", ResponseStart(503, JSON, "r0"), b'{"error": {"code": "server_overloaded"}}']
+    ok = ["r1", ResponseStart(200, JSON, "r1"), b'{"ok": true}']
+    handle = _Handle(full, ok)
+    client, ingress = _ingress_client(handle)
+    body = json.dumps({"prompt": SYSTEM}).encode()
+    r = client.post("/v1/completions?x=1", content=body, headers=KEYED)
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    assert [s.avoid for s in handle.sent] == [(), ("r0",)] and handle.streams[0].cancelled
+    assert handle.sent[0].prefix == request_prefix(body) and handle.sent[0].query_string == b"x=1"
+    assert handle.sent[0].body == body and handle.sent[0].method == "POST"
+    # a second 503 is passed on; with one replica the first is
+    client, _ = _ingress_client(_Handle(list(full), list(full)))
+    assert client.post("/v1/completions", content=body, headers=KEYED).status_code == 503
+    client, _ = _ingress_client(handle := _Handle(list(full)), replicas=1)
+    assert client.post("/v1/completions", content=body, headers=KEYED).status_code == 503 and len(handle.sent) == 1
+    # a replica dead before answering: once more elsewhere, then a 503 naming what happened
+    client, _ = _ingress_client(handle := _Handle(["r0", ActorDiedError()], list(ok)))
+    assert client.post("/v1/completions", content=body, headers=KEYED).json() == {"ok": True}
+    assert handle.sent[1].avoid == ("r0",)
+    client, ingress = _ingress_client(_Handle([ActorDiedError()], [ActorDiedError()]))
+    r = client.post("/v1/completions", content=body, headers=KEYED)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed"
+    assert ingress.metrics.failures._value.get() == 1
+
+
+def test_ingress_ends_a_stream_whose_replica_died_with_an_error_event() -> None:
+    from ray.exceptions import ActorDiedError
+
+    from cpuserve.cluster.forwarding import ResponseStart
+
+    chunk = b'data: {"choices": [{"text": "a"}]}\n\n'
+    handle = _Handle(["r0", ResponseStart(200, SSE, "r0"), chunk, chunk, ActorDiedError()])
+    client, _ = _ingress_client(handle)
+    r = client.post("/v1/completions", json={"prompt": "x", "stream": True}, headers=KEYED)
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[:2] == [chunk.decode()[6:].strip()] * 2 and events[-1] == "[DONE]"
+    assert json.loads(events[2])["error"]["code"] == 503 and len(handle.sent) == 1  # never sent again
+
+
+def test_ingress_checks_the_key_and_size_before_forwarding() -> None:
+    handle = _Handle()
+    client, _ = _ingress_client(handle)
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert client.get("/metrics").status_code == 401
+    assert client.post("/v1/completions", content=b"x" * 5000, headers=KEYED).status_code == 413
+    assert handle.sent == []
+
+
+def test_serve_run_builder_makes_the_application() -> None:
+    from ray.serve import Application
+
+    assert isinstance(build({"model": "m", "replicas": 2, "serve_args": "--max-num-seqs 8"}), Application)
