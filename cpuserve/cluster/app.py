@@ -195,7 +195,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             ray.init(logging_level=logging.WARNING)
             started_here = True
     else:
-        ray.init(address=address, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            raise CpuserveError(f"no Ray cluster at {address}: {exc}") from None
     resources = ray.cluster_resources()
     log.info(
         "Ray cluster: %d node(s), %g CPUs; %d replica(s) of %d thread(s)",
