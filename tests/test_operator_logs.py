@@ -408,6 +408,9 @@ def test_a_real_server_logs_each_request_and_the_stats(smol_dir, cache_dir, tmp_
                         usage = event["usage"]
                     elif first_text is None and event["choices"][0]["delta"].get("content"):
                         first_text = time.monotonic() - sent
+            # The stream's line is written once its last byte is sent, which may be after the client
+            # has read it: wait for it, so the lines' order is the requests' order.
+            assert _wait_for(log, "POST /v1/chat/completions 200", time.monotonic() + 10)
             bad = c.post("/v1/chat/completions", json={**chat, "temperature": "hot"})
             no_key = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong-key-7731"})
         # --seed seeds the generator unseeded requests draw from (vLLM's meaning): they still differ.

@@ -1,8 +1,9 @@
 """The model spec: an HF `config.json` checked and reduced to what the decoder needs.
 
 Every supported architecture is a Llama-family decoder that differs in a few switches (biases,
-q/k norms, MiniCPM scalings, Gemma's norms, GeGLU, sliding windows and per-layer-type rope);
-naming those switches here keeps the decoder free of model names.
+q/k norms, MiniCPM scalings, Gemma's norms, GeGLU, sliding windows and per-layer-type rope,
+Phi-3's pre-fused projections and longrope); naming those switches here keeps the decoder free of
+model names.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MiniCPMForCausalLM",
     "Gemma3ForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # longrope: Phi-3 only (_phi3_rope)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU, GeGLU with the tanh approximation of GELU
@@ -37,7 +40,12 @@ class RopeSpec:
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int = 8192  # llama3; longrope: where the long factors start
+    # longrope (Phi-3): per rotary pair divisors of the frequencies, for positions before / from
+    # original_max_position_embeddings, and the factor cos and sin are multiplied by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,9 @@ class ModelSpec:
     sliding_window: int | None = None  # a sliding layer's query sees the keys with q - k < sliding_window
     local_rope: RopeSpec | None = None  # rope of sliding layers (None: `rope`)
     final_logit_softcapping: float | None = None  # logits -> tanh(logits / cap) * cap
+    # Phi-3: the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    # (model/prefused.py presents them under the separate names the decoder asks for).
+    prefused_projections: bool = False
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -136,6 +147,96 @@ def _rope_from(params: Any, default_theta: Any, source: str) -> RopeSpec:
         fields["high_freq_factor"] = _field(params, "high_freq_factor", float, source)
         fields["original_max_position_embeddings"] = _field(params, "original_max_position_embeddings", int, source)
     return RopeSpec(**fields)
+
+
+def _check_full_rotary(cfg: dict[str, Any], source: str) -> None:
+    """A partial rotary factor below 1 rotates only part of each head, which the decoder does not
+    do: refused, never ignored."""
+    found: list[tuple[str, Any]] = [("partial_rotary_factor", cfg.get("partial_rotary_factor"))]
+    for key in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(key)
+        if isinstance(params, dict):
+            nested = [(f"{key}.{k}.", v) for k, v in params.items() if isinstance(v, dict)]
+            for where, d in [(f"{key}.", params), *nested]:
+                found.append((f"{where}partial_rotary_factor", d.get("partial_rotary_factor")))
+    for name, value in found:
+        if value is not None and value != 1.0:
+            raise ConfigError(f"{source}: field '{name}' is {value!r}; only 1.0 (whole heads rotated) is supported")
+
+
+def _factor_list(params: dict[str, Any], name: str, length: int, source: str) -> tuple[float, ...]:
+    value = params.get(name)
+    good = isinstance(value, list) and len(value) == length
+    good = good and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in value
+    )
+    if not good:
+        raise ConfigError(
+            f"{source}: rope_scaling field '{name}' is {value!r}, expected a list of {length} positive numbers "
+            "(one per rotary pair: head_dim / 2)"
+        )
+    return tuple(float(x) for x in value)
+
+
+def _phi3_rope(cfg: dict[str, Any], source: str, head_dim: int) -> RopeSpec:
+    """Phi3Config's rope, as transformers computes it: default, or longrope ("su" in older configs).
+
+    longrope: `original_max_position_embeddings` is the top-level field (default 4096; transformers
+    prefers it to a copy inside rope_scaling, so a differing copy is refused); `factor` defaults to
+    max_position_embeddings / original; `attention_factor` (multiplying cos and sin) to
+    sqrt(1 + ln(factor) / ln(original)), or 1 when factor <= 1. Which factors a position gets:
+    model/rope.py."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: 'rope_scaling' is {params!r}, expected an object or null")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return _rope_from(params, cfg.get("rope_theta", 10000.0), source)
+    if rope_type not in ("longrope", "su"):
+        raise ConfigError(
+            f"{source}: rope type {rope_type!r} is not supported for Phi3ForCausalLM (expected default or longrope)"
+        )
+    theta_value = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = _field({"rope_theta": theta_value}, "rope_theta", float, source)
+    original = _field(cfg, "original_max_position_embeddings", int, source, default=4096)
+    inner = params.get("original_max_position_embeddings")
+    if inner is not None and inner != original:
+        raise ConfigError(
+            f"{source}: rope_scaling field 'original_max_position_embeddings' is {inner!r} but the top-level "
+            f"original_max_position_embeddings is {original} (transformers uses the top-level one)"
+        )
+    if params.get("factor") is None:
+        factor = _field(cfg, "max_position_embeddings", int, source, default=4096) / original
+    else:
+        factor = _field(params, "factor", float, source)
+    if params.get("attention_factor") is not None:
+        attention = _field(params, "attention_factor", float, source)
+    elif factor <= 1.0:
+        attention = 1.0
+    elif original < 2:
+        raise ConfigError(f"{source}: original_max_position_embeddings {original} leaves attention_factor undefined")
+    else:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeSpec(
+        theta=theta,
+        type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        short_factor=_factor_list(params, "short_factor", head_dim // 2, source),
+        long_factor=_factor_list(params, "long_factor", head_dim // 2, source),
+        attention_factor=attention,
+    )
+
+
+def _uniform_window(cfg: dict[str, Any], source: str, layers: int, default: int | None) -> dict[str, Any]:
+    """Mistral / Phi-3: one `sliding_window` for every layer (null: none; absent: the config class's
+    default). transformers masks it as the decoder does: a query sees the keys with q - k < window,
+    so the value is taken as it is."""
+    window = cfg.get("sliding_window", default)
+    if window is None:
+        return {}
+    window = _field({"sliding_window": window}, "sliding_window", int, source)
+    return {"sliding_window": window, "layer_types": (SLIDING_ATTENTION,) * layers}
 
 
 def _gemma3_ropes(cfg: dict[str, Any], source: str) -> tuple[RopeSpec, RopeSpec]:
@@ -201,6 +302,10 @@ def _gemma3_switches(cfg: dict[str, Any], source: str, hidden: int, layers: int)
     }
 
 
+# The config classes' defaults where they differ from 2048.
+_MAX_POSITIONS_DEFAULT = {"MistralForCausalLM": 4096 * 32, "Phi3ForCausalLM": 4096}
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -225,13 +330,14 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     act = cfg.get("hidden_act", "silu")
     if act != "silu" and arch != "Gemma3ForCausalLM":  # Gemma's is checked with its other fields
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
-    if cfg.get("use_sliding_window"):
+    if cfg.get("use_sliding_window"):  # Qwen2's switch (with max_window_layers); Mistral/Phi-3: sliding_window
         raise ConfigError(f"{source}: sliding-window attention (use_sliding_window) is not supported")
+    _check_full_rotary(cfg, source)
 
     hidden = _field(cfg, "hidden_size", int, source)
     layers = _field(cfg, "num_hidden_layers", int, source)
     heads = _field(cfg, "num_attention_heads", int, source)
-    kv_heads = _field(cfg, "num_key_value_heads", int, source, default=heads)
+    kv_heads = _field(cfg, "num_key_value_heads", int, source, default=8 if arch == "MistralForCausalLM" else heads)
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     # Gemma3TextConfig's head_dim defaults to 256, everyone else's to hidden / heads.
@@ -261,6 +367,12 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         )
     elif arch == "Gemma3ForCausalLM":
         switches.update(_gemma3_switches(cfg, source, hidden, layers))
+    elif arch == "MistralForCausalLM":
+        # transformers' Mistral has no biases whatever the config says.
+        switches.update(qkv_bias=False, o_bias=False, mlp_bias=False, **_uniform_window(cfg, source, layers, 4096))
+    elif arch == "Phi3ForCausalLM":
+        switches.update(qkv_bias=False, o_bias=False, mlp_bias=False, prefused_projections=True)
+        switches.update(_uniform_window(cfg, source, layers, None), rope=_phi3_rope(cfg, source, head_dim))
 
     tied_default = arch in ("MiniCPMForCausalLM", "Gemma3ForCausalLM")
     rope = switches.pop("rope", None) or _rope_spec(cfg, source)
@@ -275,7 +387,9 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         head_dim=head_dim,
         rms_norm_eps=_field(cfg, "rms_norm_eps", float, source, default=1e-6),
         rope=rope,
-        max_position_embeddings=_field(cfg, "max_position_embeddings", int, source, default=2048),
+        max_position_embeddings=_field(
+            cfg, "max_position_embeddings", int, source, default=_MAX_POSITIONS_DEFAULT.get(arch, 2048)
+        ),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tied_default)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         bos_token_id=cfg.get("bos_token_id"),

@@ -2,9 +2,10 @@
 torch: the reference every faster path is checked against; otherwise its float ops run natively
 (model/ops.py) and decode steps take one native call for all layers (model/native_decode.py).
 
-One module tree for Llama, Qwen2, Qwen3, MiniCPM and Gemma 3; the ModelSpec switches decide biases,
-q/k norms, MiniCPM scalings, the norm flavour and placement, the MLP activation, the attention scale,
-each layer's window and rope. Parameter names equal the HF checkpoint names, so loading is a lookup.
+One module tree for Llama, Qwen2, Qwen3, MiniCPM, Gemma 3, Mistral and Phi-3; the ModelSpec
+switches decide biases, q/k norms, MiniCPM scalings, the norm flavour and placement, the MLP
+activation, the attention scale, each layer's window and rope. Parameter names equal the HF
+checkpoint names, so loading is a lookup.
 
 The attention core (where K/V are kept and how queries see them) is a pluggable
 `AttentionBackend`: the contiguous cache here for the reference path, the paged cache in the
@@ -24,7 +25,7 @@ from cpuserve.model import native_decode, ops
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.linears import LinearFactory
 from cpuserve.model.native_decode import DecodeCache
-from cpuserve.model.rope import cos_sin, inverse_frequencies
+from cpuserve.model.rope import Rotary
 
 log = logging.getLogger(__name__)
 
@@ -260,11 +261,10 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(spec, linear)
         self.lm_head = linear("lm_head", spec.hidden_size, spec.vocab_size, False)
         with torch.device("cpu"):  # real even when the module is built on the meta device
-            self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
+            self.rotary = Rotary(spec.rope, spec.head_dim)
             # Sliding layers with a rope of their own (Gemma's local base frequency).
-            self.local_inv_freq = (
-                inverse_frequencies(spec.local_rope, spec.head_dim) if spec.local_rope is not None else None
-            )
+            self.local_rotary = Rotary(spec.local_rope, spec.head_dim) if spec.local_rope is not None else None
+        self.inv_freq = self.rotary.inv_freq  # the (short) frequencies, for tools that build their own tables
 
     @property
     def dtype(self) -> torch.dtype:
@@ -287,10 +287,10 @@ class CausalLM(nn.Module):
     def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin tables [*positions.shape, head_dim] (one table unless sliding
         layers have a rope of their own)."""
-        tables = cos_sin(self.inv_freq, positions, self.dtype)
-        if self.local_inv_freq is None:
+        tables = self.rotary(positions, self.dtype)
+        if self.local_rotary is None:
             return [tables] * self.spec.num_layers
-        local = cos_sin(self.local_inv_freq, positions, self.dtype)
+        local = self.local_rotary(positions, self.dtype)
         return [local if self.spec.is_sliding(i) else tables for i in range(self.spec.num_layers)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -313,7 +313,7 @@ class CausalLM(nn.Module):
             plans = self.native_decode_plan()
             if plans is not None:
                 flat = positions.expand(input_ids.shape).reshape(-1)  # one position per token
-                cos, sin = cos_sin(self.inv_freq, flat, self.dtype)
+                cos, sin = self.rotary(flat, self.dtype)
                 return native_decode.decode(self, plans, input_ids, cos, sin, decode_cache)
         tables = self.rope_tables(positions)
         h = self.embed(input_ids)

@@ -13,6 +13,9 @@ points at the file. `ModelSource.open` sees that pointer and reads the weights f
 - `gguf_quant_config` gives every linear the scheme its block type re-expresses exactly; a type
   without one is dequantized and rounded to int8 in groups of 32 (W8A8-G32), and the log says so
   with the error it measured. Float tensors (norms, and the embedding, dequantized) are float.
+- A fused projection (phi3's `attn_qkv`, `ffn_up` = gate + up) is split into its parts' row
+  ranges: GGUF blocks run along a row, so rows a..b of a tensor are themselves a tensor of its type
+  at an offset, and each part is decoded and quantized exactly as a separate tensor would be.
 """
 
 from __future__ import annotations
@@ -60,15 +63,66 @@ def _is_linear(hf_name: str) -> bool:
     return hf_name.endswith(".weight") and module.endswith(_LINEAR_SUFFIXES)
 
 
-def read_tensor_table(header: GGUFHeader, hf_name: Any) -> dict[str, GGUFTensor]:
-    """Every tensor by HF name (hf_name maps GGUF names; one with no place is an error naming it)."""
+def read_tensor_table(header: GGUFHeader, hf_name: Any, skip: frozenset[str] = frozenset()) -> dict[str, GGUFTensor]:
+    """Every tensor by HF name (hf_name maps GGUF names; one with no place is an error naming it),
+    but those in `skip` (hyper-parameters stored as tensors)."""
     table = {}
     for t in header.tensors:
+        if t.name in skip:
+            continue
         name = hf_name(t.name)
         if name is None:
             raise CheckpointError(f"{header.path}: tensor '{t.name}' has no place in this architecture")
         table[name] = GGUFTensor(t.name, t.kind, name, t.shape, t.offset, t.n_bytes)
     return table
+
+
+def split_fused(table: dict[str, GGUFTensor], spec: Any, path: Path) -> dict[str, GGUFTensor]:
+    """The table with each fused projection replaced by its parts' row ranges (model/prefused.py
+    names them), each a tensor of the fused one's type at its own offset."""
+    from cpuserve.model.prefused import FUSED_PARTS, part_sizes
+
+    sizes = part_sizes(spec)
+    out: dict[str, GGUFTensor] = {}
+    for name, t in table.items():
+        layer, _, rest = name.rpartition(".layers.")
+        index, _, leaf = rest.partition(".")
+        module = leaf.removesuffix(".weight")
+        if not layer or module not in FUSED_PARTS or not leaf.endswith(".weight"):
+            out[name] = t
+            continue
+        rows = sum(sizes[module])
+        if len(t.shape) != 2 or t.shape[0] != rows or t.n_bytes % rows:
+            raise CheckpointError(
+                f"{path}: tensor '{t.gguf_name}' has shape {list(t.shape)}, expected [{rows}, in_features] "
+                f"(the rows of {', '.join(p.split('.')[1] for p in FUSED_PARTS[module])} stacked, from its metadata)"
+            )
+        row_bytes, start = t.n_bytes // rows, 0
+        for part, n in zip(FUSED_PARTS[module], sizes[module], strict=True):
+            part_name = f"{layer}.layers.{index}.{part}.weight"
+            out[part_name] = replace(
+                t, hf_name=part_name, shape=(n, t.shape[1]), offset=t.offset + start * row_bytes, n_bytes=n * row_bytes
+            )
+            start += n
+    return out
+
+
+def rope_factors(header: GGUFHeader) -> dict[str, list[float]]:
+    """The longrope factor tensors' values (phi3), by GGUF name: they belong in config.json."""
+    from cpuserve.offline.gguf_convert import ROPE_FACTOR_TENSORS
+
+    found = {}
+    for t in header.tensors:
+        if t.name in ROPE_FACTOR_TENSORS:
+            if t.kind not in ("F32", "F16"):
+                raise CheckpointError(f"{header.path}: tensor '{t.name}' has type {t.kind}, expected F32 or F16")
+            with open(header.path, "rb") as f:
+                f.seek(t.offset)
+                raw = f.read(t.n_bytes)
+            if len(raw) != t.n_bytes:
+                raise CheckpointError(f"{header.path}: truncated: tensor '{t.name}' is cut short")
+            found[t.name] = np.frombuffer(raw, dtype=np.float32 if t.kind == "F32" else np.float16).tolist()
+    return found
 
 
 def linear_scheme(kind: str) -> WeightQuant | None:
@@ -286,11 +340,12 @@ def _in_hf_layout(arch: str, table: dict[str, GGUFTensor], spec: Any) -> Any:
 
 def open_gguf_weights(gguf_path: Path, spec: Any) -> tuple[QuantConfig | None, GGUFCheckpoint]:
     """The quant config and checkpoint of a GGUF file (its header read, no tensor data)."""
-    from cpuserve.offline.gguf_convert import gguf_architecture, hf_name
+    from cpuserve.offline.gguf_convert import ROPE_FACTOR_TENSORS, gguf_architecture, hf_name
 
     header = read_header(gguf_path)
     arch = gguf_architecture(header.metadata, gguf_path)
-    table = read_tensor_table(header, lambda name: hf_name(name, arch))
+    table = read_tensor_table(header, lambda name: hf_name(name, arch), skip=frozenset(ROPE_FACTOR_TENSORS))
+    table = split_fused(table, spec, gguf_path)
     embedding = table.get("model.embed_tokens.weight")
     aliased: set[str] = set()  # tensors that repeat another's data
     if not spec.tie_word_embeddings and "lm_head.weight" not in table and embedding is not None:
@@ -311,7 +366,7 @@ def make_model_dir(gguf_path: Path, out: Path) -> Path:
     header = read_header(gguf_path, arrays=True)
     meta = header.metadata
     names = {t.name for t in header.tensors}
-    config = hf_config(meta, tied="output.weight" not in names, source=gguf_path)
+    config = hf_config(meta, tied="output.weight" not in names, source=gguf_path, rope_factors=rope_factors(header))
     embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if config["tie_word_embeddings"] and embedding is not None and embedding.kind in SCHEMES:
         # The output head reads the embedding's quantized blocks on the kernels (open_gguf_weights);

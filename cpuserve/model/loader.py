@@ -149,8 +149,9 @@ def load_model(
     with src.checkpoint as ckpt:
         missing = [n for n in [*expected, *linear_tensors] if n not in ckpt]
         if missing:
+            stored_name = getattr(ckpt, "stored_name", lambda n: n)  # a pre-fused checkpoint's name for it
             raise CheckpointError(
-                f"{model_dir}: tensor '{missing[0]}' is missing"
+                f"{model_dir}: tensor '{stored_name(missing[0])}' is missing"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 + f" for {spec.architecture}"
                 + (f" with {(spec.quantization_config or {}).get('format') or qc.label} quantization" if qc else "")

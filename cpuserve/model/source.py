@@ -10,6 +10,7 @@ from pathlib import Path
 from cpuserve.model.checkpoint import SafetensorsCheckpoint
 from cpuserve.model.config import ModelSpec, load_spec
 from cpuserve.model.gguf_source import GGUFCheckpoint, open_gguf_weights, read_pointer
+from cpuserve.model.prefused import SplitFusedCheckpoint, split_prefused
 from cpuserve.quant.config import QuantConfig
 
 
@@ -18,7 +19,7 @@ class ModelSource:
     model_dir: Path
     spec: ModelSpec
     quant_config: QuantConfig | None
-    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint | SplitFusedCheckpoint  # under the decoder's names
 
     @classmethod
     def open(cls, model_dir: Path) -> ModelSource:
@@ -29,7 +30,7 @@ class ModelSource:
             return cls(model_dir, spec, qc, checkpoint)
         source = str(model_dir / "config.json")
         qc = QuantConfig.from_hf(spec.quantization_config, source) if spec.quantization_config else None
-        return cls(model_dir, spec, qc, SafetensorsCheckpoint(model_dir))
+        return cls(model_dir, spec, qc, split_prefused(SafetensorsCheckpoint(model_dir), spec))
 
     @staticmethod
     def of(model: Path | ModelSource) -> ModelSource:

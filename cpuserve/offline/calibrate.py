@@ -25,7 +25,6 @@ import torch
 from tqdm import tqdm
 
 from cpuserve.model.decoder import CausalLM, ContiguousAttention, DecoderLayer
-from cpuserve.model.rope import cos_sin
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.linear import Linear
 
@@ -158,7 +157,7 @@ def calibrate_and_quantize(
     (parameter name -> tensor in storage_dtype), which replace the source checkpoint's."""
     spec = model.spec
     t = windows.shape[1]
-    cos, sin = cos_sin(model.inv_freq, torch.arange(t), torch.float32)
+    tables = model.rope_tables(torch.arange(t))  # each layer's (longrope: attention-scaled)
     backend = ContiguousAttention(None, 0, gqa=spec.num_heads != spec.num_kv_heads)
     with torch.no_grad():
         h = model.model.embed_tokens(windows).float()
@@ -172,7 +171,7 @@ def calibrate_and_quantize(
 
         def run(layer: DecoderLayer = layer, i: int = i, h: torch.Tensor = h) -> torch.Tensor:
             with torch.no_grad():
-                return layer(h, cos, sin, i, backend)
+                return layer(h, *tables[i], i, backend)
 
         stats = _record_inputs(layer, run)
         mlp = layer.mlp

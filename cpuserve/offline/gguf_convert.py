@@ -1,9 +1,11 @@
-"""`cpuserve convert`: a llama- or gemma3-architecture GGUF becomes an HF directory (bf16 safetensors).
+"""`cpuserve convert`: a llama-, gemma3- or phi3-architecture GGUF becomes an HF directory (bf16 safetensors).
 
 llama.cpp stores each architecture its own way: llama q/k rows permuted for its rope layout (undone
 here), Gemma 3 norm weights with the 1 of `x * (1 + w)` added in (taken off here), and Gemma's
 hyper-parameters llama.cpp hard-codes (layer pattern, local rope base, attention scale) written
-back into the config.
+back into the config. Phi-3 keeps HF's fused `attn_qkv` / `ffn_up` (gate rows, then up) and rows
+(rotate-half rope: nothing permuted); its longrope factors are tensors (`rope_factors_short` /
+`rope_factors_long`), read back into config.json's rope_scaling.
 
 The output is written beside the target under a `.partial` name and renamed into place only when
 complete, so an interrupted conversion never leaves a directory that looks finished.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,15 @@ _GEMMA3_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+# Phi-3 (gguf-py's tensor map): HF's fused projections under llama.cpp's names; ffn_up holds gate then up.
+_PHI3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k not in ("ffn_gate.weight", "ffn_up.weight")},
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+# Global tensors that are hyper-parameters, not weights: they go into config.json.
+ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
+_ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -162,10 +173,70 @@ def gguf_architecture(meta: dict[str, Any], source: Path) -> str:
     return arch
 
 
-def hf_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
-    """config.json for the GGUF's architecture."""
+def hf_config(
+    meta: dict[str, Any], tied: bool, source: Path, rope_factors: dict[str, list[float]] | None = None
+) -> dict[str, Any]:
+    """config.json for the GGUF's architecture (rope_factors: the ROPE_FACTOR_TENSORS' values by
+    GGUF name, which a phi3 file's longrope needs)."""
     arch = gguf_architecture(meta, source)
+    if arch == "phi3":
+        return _phi3_config(meta, tied, source, rope_factors or {})
     return _gemma3_config(meta, tied, source) if arch == "gemma3" else _llama_config(meta, tied, source)
+
+
+def _phi3_config(meta: dict[str, Any], tied: bool, source: Path, factors: dict[str, list[float]]) -> dict[str, Any]:
+    """Phi3Config's fields. longrope when the file has the factor tensors; llama.cpp's converter
+    stores transformers' attention factor as rope.scaling.attn_factor, written back only where it is
+    not what transformers derives from the context lengths anyway."""
+    heads = int(_require(meta, "phi3.attention.head_count", source))
+    hidden = int(_require(meta, "phi3.embedding_length", source))
+    head_dim = hidden // heads
+    if int(meta.get("phi3.rope.dimension_count", head_dim)) != head_dim:
+        raise CheckpointError(
+            f"{source}: phi3.rope.dimension_count {meta['phi3.rope.dimension_count']} is not the head size "
+            f"{head_dim} (partial rotary embeddings are not supported)"
+        )
+    ctx = int(meta.get("phi3.context_length", 4096))
+    original = int(meta.get("phi3.rope.scaling.original_context_length", ctx))
+    rope: dict[str, Any] | None = None
+    if factors or meta.get("phi3.rope.scaling.attn_factor") is not None:
+        missing = [n for n in ROPE_FACTOR_TENSORS if n not in factors]
+        if missing:
+            raise CheckpointError(f"{source}: tensor '{missing[0]}' is missing (longrope needs both factor tensors)")
+        rope = {
+            "rope_type": "longrope",
+            **{key: [_f32(x) for x in factors[n]] for n, key in ROPE_FACTOR_TENSORS.items()},
+        }
+        attn = meta.get("phi3.rope.scaling.attn_factor")
+        scale = ctx / original
+        derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        if attn is not None and abs(float(attn) - derived) > 1e-6 * derived:
+            rope["attention_factor"] = _f32(attn)
+    window = meta.get("phi3.attention.sliding_window")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    theta = _f32(meta.get("phi3.rope.freq_base", 10000.0))
+    return {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(meta, "phi3.feed_forward_length", source)),
+        "num_hidden_layers": int(_require(meta, "phi3.block_count", source)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("phi3.attention.head_count_kv", heads)),
+        "rms_norm_eps": _f32(meta.get("phi3.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": ctx,
+        "original_max_position_embeddings": original,
+        "vocab_size": int(meta.get("phi3.vocab_size", len(tokens))),
+        "hidden_act": "silu",
+        "rope_theta": theta,
+        "rope_scaling": rope,
+        "sliding_window": int(window) if window else None,
+        "tie_word_embeddings": tied,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "bfloat16",
+    }
 
 
 def _llama_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
@@ -384,11 +455,14 @@ def _convert(src: Path, out: Path, force: bool, progress: bool, dtype: str, with
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     arch = gguf_architecture(meta, src)
-    config = hf_config(meta, tied="output.weight" not in names, source=src)
+    factors = {
+        t.name: _dequantize(t, src).reshape(-1).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS
+    }
+    config = hf_config(meta, tied="output.weight" not in names, source=src, rope_factors=factors)
     config["torch_dtype"] = dtype
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{src}: tensor 'rope_freqs.weight' (llama3 rope scaling) is not supported yet")
-    unknown = sorted(n for n in names if hf_name(n, arch) is None)
+    unknown = sorted(n for n in names if hf_name(n, arch) is None and n not in ROPE_FACTOR_TENSORS)
     if unknown:
         raise CheckpointError(f"{src}: tensor '{unknown[0]}' has no place in a {arch} model")
 
@@ -400,6 +474,8 @@ def _convert(src: Path, out: Path, force: bool, progress: bool, dtype: str, with
         (partial / "config.json").write_text(json.dumps(config, indent=2))
         writer = ShardWriter(partial)
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor", disable=not progress):
+            if t.name in ROPE_FACTOR_TENSORS:
+                continue  # in config.json
             data = to_hf_layout(arch, t.name, _dequantize(t, src), config)
             writer.add(
                 hf_name(t.name, arch), torch.from_numpy(np.array(data, dtype=np.float32)).to(OUTPUT_DTYPES[dtype])

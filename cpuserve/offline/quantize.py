@@ -19,6 +19,7 @@ from cpuserve.errors import ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory
 from cpuserve.model.config import load_spec
 from cpuserve.model.decoder import CausalLM
+from cpuserve.model.prefused import split_prefused
 from cpuserve.offline.calibrate import CalibrationOptions, Quantizer, calibrate_and_quantize
 from cpuserve.quant.config import GROUP_SIZES, WeightQuant, is_ignored
 from cpuserve.quant.linear import Linear
@@ -134,7 +135,8 @@ def quantize_checkpoint(
             calibration_window,
             progress,
         )
-    with SafetensorsCheckpoint(src) as ckpt, atomic_directory(out, force) as partial:
+    stored = split_prefused(SafetensorsCheckpoint(src), spec)  # Phi-3: qkv_proj written as q/k/v_proj
+    with stored as ckpt, atomic_directory(out, force) as partial:
         writer = ShardWriter(partial)
         for name in tqdm(ckpt.names(), desc=f"writing {quant.name}", unit="tensor", disable=not progress):
             module = name.removesuffix(".weight")
