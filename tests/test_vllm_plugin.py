@@ -237,7 +237,9 @@ class VllmServer:
 
 @pytest.mark.parametrize(
     "kind,scheme,eager",
-    [("w8a8", "W8A8-channel", True), ("w4a8-int-g64", "W4A8-G64", True), ("w4a8-pack-g32", "W4A8-G32 packed", False)],
+    # W8A8 eager and W4A8 compiled (vLLM's default); the int-quantized W4A8 spelling's layers are
+    # bit-identical above, and its own serve run (about 40 s) showed nothing more (CI time).
+    [("w8a8", "W8A8-channel", True), ("w4a8-pack-g32", "W4A8-G32 packed", False)],
 )
 def test_vllm_serve_with_the_plugin_agrees_with_cpuserve(kind, scheme, eager, checkpoints, tmp_path, monkeypatch):
     """eager=False is vLLM's default: torch.compile, each cpuserve linear one custom op
