@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 pytest.importorskip("ray.serve")
 
 from cpuserve.cluster.app import add_cluster_args, build, engine_options, replica_argv, serve_argv
-from cpuserve.cluster.cores import choose_cores, claim_cores
+from cpuserve.cluster.cores import choose_cores, claim_cores, process_start
 from cpuserve.cluster.forwarding import ForwardedRequest, run_asgi
 from cpuserve.cluster.metrics import IngressMetrics
 from cpuserve.cluster.prefix import BLOCK_CHARS, PrefixTable, block_hashes, prompt_text, request_prefix
@@ -121,16 +121,31 @@ def test_choose_cores_free_first_one_node_then_shared() -> None:
     assert cores == [1, 0] and "sharing 2" in why
 
 
-def test_claims_skip_live_holders_and_drop_dead_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_claims_skip_live_holders_and_drop_dead_or_reused_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "claims.json"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     try:
-        path.write_text(json.dumps({str(holder.pid): [0], str(dead.pid): [1]}))
-        assert claim_cores({0: [0, 1, 2]}, 2, path) == ([1, 2], "2 free core(s) of this machine")
+        start = process_start(holder.pid)
+        assert start is not None and process_start(dead.pid) is None
+        path.write_text(
+            json.dumps(
+                {
+                    str(holder.pid): {"start": start, "cores": [0]},
+                    str(dead.pid): {"start": 1, "cores": [1]},
+                    str(os.getppid()): {"start": -5, "cores": [2]},  # a live pid, but not the process that claimed
+                }
+            )
+        )
+        assert claim_cores({0: [0, 1, 2, 3]}, 2, path) == ([1, 2], "2 free core(s) of this machine")
         claims = json.loads(path.read_text())
-        assert claims == {str(holder.pid): [0], str(os.getpid()): [1, 2]}
+        assert claims == {
+            str(holder.pid): {"start": start, "cores": [0]},
+            str(os.getpid()): {"start": process_start(os.getpid()), "cores": [1, 2]},
+        }
+        path.write_text("not json")  # unreadable: claimed afresh, not a crash
+        assert claim_cores({0: [0, 1]}, 1, path)[0] == [0]
     finally:
         holder.kill()
 
@@ -183,9 +198,10 @@ def test_serve_flags_reach_replicas_as_written() -> None:
 
 
 def test_serve_run_builder_refuses_bad_flags_and_replica_counts() -> None:
-    with pytest.raises(SystemExit):
-        build({"model": "m", "serve_args": "--max-num-seqs nope"})
     from cpuserve.errors import CpuserveError
+
+    with pytest.raises(CpuserveError, match="max-num-seqs: invalid int value"):
+        build({"model": "m", "serve_args": "--max-num-seqs nope"})
 
     with pytest.raises(CpuserveError, match="min-replicas"):
         build({"replicas": 1, "min_replicas": 2})
@@ -202,7 +218,8 @@ def test_deployment_options_fixed_or_autoscaled(monkeypatch: pytest.MonkeyPatch)
     assert argv == ["m", "--max-num-seqs", "8", "--max-waiting-requests", "10", "--api-key", "k1"] and key == "k1"
     fixed = engine_options(args, parsed)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
-    assert fixed["max_ongoing_requests"] == 18
+    assert fixed["max_ongoing_requests"] == 18 + 32  # past the engine's own limits: its 503 comes first
+    assert fixed["max_queued_requests"] == 10
     assert fixed["ray_actor_options"]["num_cpus"] == 1
     env = fixed["ray_actor_options"]["runtime_env"]["env_vars"]
     assert env["CPUSERVE_ISA"] == "avx2" and "CPUSERVE_THREADS_BIND" not in env and "VLLM_API_KEY" not in env
@@ -309,14 +326,13 @@ class _Handle:
         return self.streams[-1]
 
 
-def _ingress_client(handle: _Handle, replicas: int = 2):  # type: ignore[no-untyped-def]
+def _ingress_client(handle: _Handle):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
 
     from cpuserve.cluster.ingress import Ingress, build_ingress_app
 
     ingress = Ingress(handle, api_key="k", max_request_bytes=4000)
-    ingress.replica_stats = lambda: {f"r{i}": {} for i in range(replicas)}  # type: ignore[method-assign]
-    return TestClient(build_ingress_app(ingress)), ingress
+    return TestClient(build_ingress_app(ingress), raise_server_exceptions=False), ingress
 
 
 JSON = [(b"content-type", b"application/json")]
@@ -325,7 +341,8 @@ KEYED = {"Authorization": "Bearer k"}
 
 
 def test_ingress_sends_a_503_once_more_elsewhere() -> None:
-    from ray.exceptions import ActorDiedError
+    from ray.exceptions import ActorDiedError, RayTaskError
+    from ray.serve.exceptions import BackPressureError
 
     from cpuserve.cluster.forwarding import ResponseStart
 
@@ -339,11 +356,18 @@ def test_ingress_sends_a_503_once_more_elsewhere() -> None:
     assert [s.avoid for s in handle.sent] == [(), ("r0",)] and handle.streams[0].cancelled
     assert handle.sent[0].prefix == request_prefix(body) and handle.sent[0].query_string == b"x=1"
     assert handle.sent[0].body == body and handle.sent[0].method == "POST"
-    # a second 503 is passed on; with one replica the first is
-    client, _ = _ingress_client(_Handle(list(full), list(full)))
-    assert client.post("/v1/completions", content=body, headers=KEYED).status_code == 503
-    client, _ = _ingress_client(handle := _Handle(list(full)), replicas=1)
-    assert client.post("/v1/completions", content=body, headers=KEYED).status_code == 503 and len(handle.sent) == 1
+    # a second 503 is passed on, as the replica wrote it
+    client, _ = _ingress_client(handle := _Handle(list(full), list(full)))
+    r = client.post("/v1/completions", content=body, headers=KEYED)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded" and len(handle.sent) == 2
+    # every replica and Ray's queue full: serve's own 503, at once
+    client, _ = _ingress_client(_Handle([BackPressureError(num_queued_requests=3, max_queued_requests=3)]))
+    r = client.post("/v1/completions", content=body, headers=KEYED)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded" and r.headers["retry-after"]
+    # a bug inside the replica is not a replica death: not sent again
+    client, _ = _ingress_client(handle := _Handle([RayTaskError("forward", "tb", ValueError("x"))], list(ok)))
+    assert client.post("/v1/completions", content=body, headers=KEYED).status_code == 500 and len(handle.sent) == 1
+    assert handle.streams[0].cancelled
     # a replica dead before answering: once more elsewhere, then a 503 naming what happened
     client, _ = _ingress_client(handle := _Handle(["r0", ActorDiedError()], list(ok)))
     assert client.post("/v1/completions", content=body, headers=KEYED).json() == {"ok": True}
@@ -381,4 +405,38 @@ def test_ingress_checks_the_key_and_size_before_forwarding() -> None:
 def test_serve_run_builder_makes_the_application() -> None:
     from ray.serve import Application
 
-    assert isinstance(build({"model": "m", "replicas": 2, "serve_args": "--max-num-seqs 8"}), Application)
+    from cpuserve.errors import CpuserveError
+
+    config = {"model": "m", "replicas": 2, "serve_args": "--max-num-seqs 8", "disable_log_stats": True}
+    assert isinstance(build({**config, "enable_prefix_caching": False, "api_key": None}), Application)
+    with pytest.raises(CpuserveError, match="unrecognized arguments: --no-such-flag"):
+        build({**config, "no_such_flag": 1})
+
+
+def test_ingress_reports_every_replica_and_hides_them_without_the_key() -> None:
+    from cpuserve.engine import EngineStats
+    from cpuserve.server.metrics import Metrics
+
+    m = Metrics("m")
+    text = m.render(EngineStats(1, 0, 0.25, 10, 4, 0, 1, 5, 0)).decode()
+    reports = [
+        {"replica": "r1", "node": "a", "pid": 11, "cores": [0], "running": 1, "metrics": text},
+        {"replica": "r0", "node": "b", "pid": 12, "cores": [1], "running": 0, "metrics": text},
+    ]
+
+    class Broadcast:
+        async def results_async(self, **_: object) -> list:
+            return [*reports, RuntimeError("a replica that did not answer")]
+
+    handle = _Handle()
+    handle.broadcast = lambda method: Broadcast()  # type: ignore[attr-defined]
+    client, _ = _ingress_client(handle)
+    public = client.get("/health")
+    assert public.status_code == 200 and public.json() == {"replicas": 2}
+    full = client.get("/health", headers=KEYED).json()
+    assert [r["replica"] for r in full["replicas"]] == ["r0", "r1"] and "metrics" not in full["replicas"][0]
+    assert full["replicas"][1]["pid"] == 11
+    metrics = client.get("/metrics", headers=KEYED).text
+    assert 'replica="r0"' in metrics and 'replica="r1"' in metrics and "cpuserve:cluster_replicas 2.0" in metrics
+    reports.clear()
+    assert client.get("/health").status_code == 503

@@ -23,10 +23,10 @@ from cpuserve.bench.serving_bench import STREAMS, Point, Workload, _vocab, run_e
 
 @contextmanager
 def cluster_process(
-    args: list[str], replicas: int, env: dict[str, str], log: Path, timeout: float = 300
+    args: list[str], replicas: int, env: dict[str, str], log: Path, timeout: float = 300, key: str | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`cpuserve cluster ARGS` on 127.0.0.1: (base URL, process) once /health lists `replicas`
-    replicas with their figures; killed afterwards if still running."""
+    replicas (`key`: the cluster's API key, which /health's details need); stopped afterwards."""
     import httpx  # a dev dependency (./run setup installs it)
 
     port = free_port()
@@ -40,7 +40,8 @@ def cluster_process(
             if proc.poll() is not None:
                 raise RuntimeError(f"cpuserve cluster exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             try:
-                r = httpx.get(base + "/health", timeout=70)
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                r = httpx.get(base + "/health", headers=headers, timeout=70)
                 view = r.json()["replicas"] if r.status_code == 200 else []
                 if len(view) == replicas and all("pid" in v for v in view):
                     break

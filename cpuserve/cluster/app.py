@@ -22,6 +22,7 @@ from cpuserve.errors import CpuserveError
 log = logging.getLogger("cpuserve")
 
 APP_NAME = "cpuserve"
+ONGOING_MARGIN = 32  # requests past an engine's own limits that still reach it (and get its 503)
 # Set by each replica for itself (cluster/cores.py): never copied from the driver.
 # The API key travels once, as --api-key in the replicas' flags (replica_argv).
 PER_REPLICA_ENV = {"CPUSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND", "CPUSERVE_NUM_THREADS", "VLLM_API_KEY"}
@@ -128,8 +129,11 @@ def engine_options(args: argparse.Namespace, parsed: argparse.Namespace) -> dict
     return {
         "name": "cpuserve-engine",
         "ray_actor_options": {"num_cpus": args.threads_per_replica, "runtime_env": {"env_vars": replica_env()}},
-        # Past this Ray queues at the router; each engine batches up to --max-num-seqs and queues the rest.
-        "max_ongoing_requests": parsed.max_num_seqs + parsed.max_waiting_requests,
+        # Above what the engine itself takes (--max-num-seqs running, --max-waiting-requests queued), so
+        # a full engine answers its own 503 at once and the ingress tries another replica; Ray's queue
+        # in front of them all is bounded too (past it: BackPressureError, 503 from the ingress).
+        "max_ongoing_requests": parsed.max_num_seqs + parsed.max_waiting_requests + ONGOING_MARGIN,
+        "max_queued_requests": parsed.max_waiting_requests,
         "request_router_config": RequestRouterConfig(
             request_router_class="cpuserve.cluster.router.PrefixAwareRouter",
             request_router_kwargs={"imbalance": args.prefix_imbalance},
@@ -158,24 +162,33 @@ def build_application(args: argparse.Namespace) -> Any:
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,  # it only forwards; the engines' limits are the real ones
+        graceful_shutdown_timeout_s=parsed.shutdown_timeout + 10,  # outlives the engines' drain
     )
     return ingress.bind(engines.bind(argv, args.threads_per_replica), api_key, parsed.max_request_bytes)
 
 
 def build(config: dict[str, Any]) -> Any:
-    """`serve run cpuserve.cluster.app:build model=PATH replicas=2 serve_args='--max-num-seqs 32'`."""
-    parser = argparse.ArgumentParser()
+    """`serve run cpuserve.cluster.app:build model=PATH replicas=2 serve_args='--max-num-seqs 32'`
+    (or a Serve config file's `args`): each key a flag of `cpuserve cluster`, true for a switch."""
     from cpuserve.server.serve import add_serve_args
 
+    parser = argparse.ArgumentParser(prog="cpuserve.cluster.app:build", exit_on_error=False)
     add_serve_args(parser)
     add_cluster_args(parser)
     argv = shlex.split(str(config.get("serve_args", "")))
     if config.get("model"):
         argv.insert(0, str(config["model"]))
     for key, value in config.items():
-        if key not in ("model", "serve_args"):
-            argv += [f"--{key.replace('_', '-')}", str(value)]
-    return build_application(parser.parse_args(argv))
+        if key in ("model", "serve_args") or value is False or value is None:
+            continue
+        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise CpuserveError(f"cpuserve.cluster.app:build: {exc}") from None
+    if unknown:
+        raise CpuserveError(f"cpuserve.cluster.app:build: unrecognized arguments: {' '.join(unknown)}")
+    return build_application(args)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -211,7 +224,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except Exception as exc:
+        serve.delete(APP_NAME)  # nothing half-deployed left on a cluster we joined
+        raise CpuserveError(f"the application did not deploy: {exc}") from None
     log.info(
         "listening on http://%s:%d (OpenAI API under /v1; /health and /metrics cover every replica)",
         args.host,

@@ -2,8 +2,9 @@
 
 Ray counts CPUs per node but does not say which cores an actor may use; two replicas left to the
 kernel share cores and each one's OpenMP pool stalls on the other's. So each replica claims
-physical cores in a machine-wide file (under a lock), preferring one NUMA node, and releases
-them by dying: claims of processes that no longer exist are dropped by the next claimer.
+physical cores in a machine-wide file of its user's (under a lock), preferring one NUMA node, and
+releases them by dying: claims of processes that no longer exist (pid and start time) are dropped
+by the next claimer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 from collections import Counter
 from pathlib import Path
 
-CLAIMS_FILE = Path(os.environ.get("CPUSERVE_CLUSTER_CLAIMS", "/tmp/cpuserve-cluster-cores.json"))
+CLAIMS_FILE = Path(
+    os.environ.get("CPUSERVE_CLUSTER_CLAIMS") or f"/tmp/cpuserve-{os.getuid()}/cluster-cores.json"
+)  # per user: another user's replicas neither read nor block these
 
 
 def choose_cores(cores_by_node: dict[int, list[int]], taken: list[int], count: int) -> tuple[list[int], str]:
@@ -38,30 +41,32 @@ def choose_cores(cores_by_node: dict[int, list[int]], taken: list[int], count: i
     return chosen, f"{count} free core(s) across NUMA nodes"
 
 
-def _alive(pid: int) -> bool:
+def process_start(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot), or None if no such process: a pid reused by a
+    later process does not keep a dead replica's claim."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
 
 
 def claim_cores(cores_by_node: dict[int, list[int]], count: int, path: Path = CLAIMS_FILE) -> tuple[list[int], str]:
     """Claim cores for this process in the machine-wide file; see choose_cores."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
         try:
-            claims = {int(pid): cores for pid, cores in json.loads(f.read() or "{}").items()}
-        except (ValueError, AttributeError):
-            claims = {}
-        claims = {pid: cores for pid, cores in claims.items() if pid != os.getpid() and _alive(pid)}
-        chosen, why = choose_cores(cores_by_node, [c for cores in claims.values() for c in cores], count)
-        claims[os.getpid()] = chosen
+            stored = json.loads(f.read() or "{}")
+            claims = {int(pid): (c["start"], c["cores"]) for pid, c in stored.items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            claims = {}  # unreadable: start again (the holders' processes still pin themselves)
+        me = os.getpid()
+        claims = {pid: c for pid, c in claims.items() if pid != me and process_start(pid) == c[0]}
+        chosen, why = choose_cores(cores_by_node, [core for _, cores in claims.values() for core in cores], count)
+        claims[me] = (process_start(me), chosen)
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({str(pid): cores for pid, cores in claims.items()}))
+        f.write(json.dumps({str(pid): {"start": start, "cores": cores} for pid, (start, cores) in claims.items()}))
     return chosen, why

@@ -21,13 +21,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
+from ray.serve.exceptions import BackPressureError, RayServeException
 
 import cpuserve.cluster.live as live
+from cpuserve.cluster.app import APP_NAME
 from cpuserve.cluster.forwarding import ForwardedRequest, ResponseStart
 from cpuserve.cluster.metrics import IngressMetrics
 from cpuserve.cluster.prefix import request_prefix
-from cpuserve.server.auth import APIKeyAuth
+from cpuserve.server.auth import APIKeyAuth, key_matches
 from cpuserve.server.body_limit import BodySizeLimit
 from cpuserve.server.errors import APIError, install_error_handlers
 
@@ -35,6 +37,7 @@ log = logging.getLogger("cpuserve.cluster")
 
 RETRIES = 1  # another replica, once: a second failure is the cluster's, not one replica's
 REPLICA_WAIT_S = 60.0  # longest wait for any replica to take a request (all of them restarting)
+REPORT_WAIT_S = 5.0  # /health and /metrics: replicas that do not answer within this are left out
 SSE_REPLICA_DIED = {
     "error": {
         "message": "The replica serving this request failed; the request was stopped. Retry it.",
@@ -48,17 +51,23 @@ SSE_REPLICA_DIED = {
 class RelayedResponse(Response):
     """A replica's response sent on as it is: its status, its headers, its body as it comes."""
 
-    def __init__(self, start: ResponseStart, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, start: ResponseStart, chunks: AsyncIterator[bytes], on_abandon: Any) -> None:
         self.status_code = start.status
         self.raw_headers = list(start.headers)
         self.chunks = chunks
+        self.on_abandon = on_abandon  # stops the replica's request if this response never gets going
         self.background = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with contextlib.aclosing(self.chunks) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except BaseException:
+            self.on_abandon()
+            raise
 
 
 class Ingress:
@@ -76,11 +85,6 @@ class Ingress:
     # --- what the ingress knows about the replicas (through the router Ray runs in this process)
     def routers(self) -> list[Any]:
         return list(live.ROUTERS)
-
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {
-            r.replica_id.unique_id: dict(r.routing_stats or {}) for router in self.routers() for r in router.replicas()
-        }
 
     # --- forwarding
     async def forward(self, request: Request) -> Response:
@@ -102,7 +106,7 @@ class Ingress:
             try:
                 replica = await asyncio.wait_for(stream.__anext__(), REPLICA_WAIT_S)
                 start: ResponseStart = await stream.__anext__()
-                if start.status == 503 and not last and len(self.replica_stats()) > 1:
+                if start.status == 503 and not last:
                     stream.cancel()
                     avoid.append(start.replica)
                     self.metrics.retries.labels("replica_503").inc()
@@ -113,7 +117,15 @@ class Ingress:
                 raise APIError(
                     503, "No replica is available; retry shortly.", "ServiceUnavailableError", code="no_replica"
                 ) from None
-            except RayError as exc:
+            except BackPressureError:
+                stream.cancel()  # every replica full and the router's queue too: serve's own answer
+                raise APIError(
+                    503,
+                    "The server is at capacity; retry shortly.",
+                    "ServiceUnavailableError",
+                    code="server_overloaded",
+                ) from None
+            except (RayActorError, StopAsyncIteration) as exc:  # the replica died (or ended without answering)
                 stream.cancel()
                 if replica is not None:
                     avoid.append(replica)
@@ -130,7 +142,13 @@ class Ingress:
                     "ServiceUnavailableError",
                     code="replica_failed",
                 ) from None
-            return RelayedResponse(start, self._relay(start, first, stream))
+            except RayServeException as exc:  # the application is being deployed or deleted
+                stream.cancel()
+                raise APIError(503, f"The cluster cannot take requests now: {exc}", "ServiceUnavailableError") from None
+            except BaseException:  # anything else (a bug in the replica, the client gone): stop the request
+                stream.cancel()
+                raise
+            return RelayedResponse(start, self._relay(start, first, stream), on_abandon=stream.cancel)
         raise AssertionError("unreachable")
 
     async def _relay(self, start: ResponseStart, first: bytes | None, stream: Any) -> AsyncIterator[bytes]:
@@ -139,7 +157,7 @@ class Ingress:
                 yield first
                 async for chunk in stream:
                     yield chunk
-        except RayError as exc:
+        except RayActorError as exc:
             self.metrics.failures.inc()
             log.warning("replica %s failed mid-response (%s)", start.replica, type(exc).__name__)
             if start.header(b"content-type").startswith(b"text/event-stream"):
@@ -149,42 +167,44 @@ class Ingress:
             stream.cancel()  # a client gone: the replica's app sees it leave and stops the request
 
     # --- reports
-    async def _ensure_router(self) -> None:
-        """Ray creates the router with the handle's first call: before any request, make one."""
-        if not self.routers():
-            with contextlib.suppress(TimeoutError, RayError):  # no replica answers: /health says so
-                await asyncio.wait_for(self.engines.ping.remote(), REPLICA_WAIT_S)
+    async def replica_reports(self) -> list[dict[str, Any]]:
+        """Every live replica's own report (EngineReplica.report), asked of each directly."""
+        try:
+            results = await self.engines.broadcast("report").results_async(
+                timeout_s=REPORT_WAIT_S, return_exceptions=True
+            )
+        except (TimeoutError, RayError, RayServeException, RuntimeError):
+            return []
+        return sorted((r for r in results if isinstance(r, dict)), key=lambda r: r["replica"])
 
-    async def health(self) -> Response:
-        await self._ensure_router()
-        replicas = self.replica_stats()
-        view = {
-            "replicas": [
-                {"replica": rid, **{k: v for k, v in stats.items() if k != "metrics"}}
-                for rid, stats in replicas.items()
-            ],
-            "deployments": _serve_states(),
-        }
+    async def health(self, request: Request) -> Response:
+        replicas = await self.replica_reports()
+        view: dict[str, Any] = {"replicas": len(replicas)}
+        # Who runs where is for operators: with a key configured, only to those who give it.
+        if self.api_key is None or key_matches(list(request.scope["headers"]), self.api_key):
+            view["replicas"] = [{k: v for k, v in r.items() if k != "metrics"} for r in replicas]
+            view["deployments"] = await asyncio.to_thread(_serve_states)
         return JSONResponse(view, status_code=200 if replicas else 503)
 
     async def render_metrics(self) -> Response:
-        await self._ensure_router()
-        replicas = self.replica_stats()
-        texts = {rid: s["metrics"] for rid, s in replicas.items() if s.get("metrics")}
+        replicas = await self.replica_reports()
+        texts = {r["replica"]: r["metrics"] for r in replicas}
         routed = sum(router.prefix_routed for router in self.routers())
         return Response(self.metrics.render(texts, len(replicas), routed), media_type="text/plain; version=0.0.4")
 
 
 def _serve_states() -> dict[str, dict[str, int]]:
-    """Replica states per deployment, as Ray Serve's controller sees them (starting, running, ...)."""
+    """This application's replica states per deployment, as Ray Serve's controller sees them
+    (starting, running, recovering, ...). A blocking call: run it off the event loop."""
     try:
         status = serve.status()
-    except Exception:  # the controller is being restarted: the replicas' own view stands
+    except Exception:  # the controller is being restarted: the replicas' own reports stand
+        return {}
+    app = status.applications.get(APP_NAME)
+    if app is None:
         return {}
     return {
-        name: {str(state): count for state, count in d.replica_states.items()}
-        for app in status.applications.values()
-        for name, d in app.deployments.items()
+        name: {str(state): count for state, count in d.replica_states.items()} for name, d in app.deployments.items()
     }
 
 
@@ -195,8 +215,8 @@ def build_ingress_app(ingress: Ingress) -> FastAPI:
     install_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> Response:
-        return await ingress.health()
+    async def health(request: Request) -> Response:
+        return await ingress.health(request)
 
     @app.get("/metrics")
     async def metrics() -> Response:

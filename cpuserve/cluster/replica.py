@@ -120,32 +120,35 @@ class EngineReplica:
 
             self._stats_log = start_stats_log(self.built.engine, self.log_stats) or False
         yield self.replica
-        async for item in run_asgi(self.app, request):
-            if isinstance(item, tuple):
-                yield ResponseStart(item[0], item[1], self.replica)
-            else:
-                yield item
-
-    def ping(self) -> str:
-        return self.replica
+        # Closed at once when Ray cancels this generator (the client left): the app sees it go.
+        async with contextlib.aclosing(run_asgi(self.app, request)) as response:
+            async for item in response:
+                yield ResponseStart(item[0], item[1], self.replica) if isinstance(item, tuple) else item
 
     def check_health(self) -> None:
         if self.fatal is not None or not self.built.engine.alive:
             raise RuntimeError(f"the engine stopped: {self.fatal}")
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Load and prefix-cache figures for the router, and the metrics text for the ingress's /metrics."""
+        """What the router weighs besides its own in-flight counts (a few numbers: Ray sends them to
+        every handle and proxy whenever they change)."""
+        stats = self.built.engine.stats()
+        return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_usage": round(stats.kv_usage, 3)}
+
+    async def report(self) -> dict[str, Any]:
+        """This replica for the ingress's /health and /metrics (asked by broadcast, on demand)."""
         stats = self.built.engine.stats()
         return {
+            "replica": self.replica,
+            "node": self.node,
+            "pid": os.getpid(),
+            "cores": self.cores,
             "running": stats.num_running,
             "waiting": stats.num_waiting,
             "kv_usage": stats.kv_usage,
             "prefix_queries": stats.prefix_queries,
             "prefix_hits": stats.prefix_hits,
             "generation_tokens": stats.generation_tokens,
-            "node": self.node,
-            "pid": os.getpid(),
-            "cores": self.cores,
             "metrics": self.server.metrics.render(stats).decode(),
         }
 

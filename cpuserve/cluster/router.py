@@ -100,6 +100,15 @@ class PrefixAwareRouter(RequestRouter):
             self.prefix_routed += owner == key
             self.prefixes.record(request.prefix, key)
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Replicas scaled down, replaced after a failed health check or gone: forget what they held."""
+        super().update_replicas(replicas)
+        current = {replica_key(r.replica_id) for r in replicas}
+        for key in [k for k in self.in_flight if k not in current]:
+            del self.in_flight[key]
+            self.prefixes.forget(key)
+        self.placing = {rid: p for rid, p in self.placing.items() if p[0] in current}
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.placing.pop(internal_request_id, None)
         self.in_flight.get(replica_key(replica_id), set()).discard(internal_request_id)
