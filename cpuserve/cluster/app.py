@@ -17,11 +17,11 @@ import signal
 import threading
 from typing import Any
 
+from cpuserve.cluster import APP_NAME
 from cpuserve.errors import CpuserveError
 
 log = logging.getLogger("cpuserve")
 
-APP_NAME = "cpuserve"
 ONGOING_MARGIN = 32  # requests past an engine's own limits that still reach it (and get its 503)
 # Set by each replica for itself (cluster/cores.py): never copied from the driver.
 # The API key travels once, as --api-key in the replicas' flags (replica_argv).

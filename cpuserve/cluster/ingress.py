@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
 import cpuserve.cluster.live as live
-from cpuserve.cluster.app import APP_NAME
+from cpuserve.cluster import APP_NAME
 from cpuserve.cluster.forwarding import ForwardedRequest, ResponseStart
 from cpuserve.cluster.metrics import IngressMetrics
 from cpuserve.cluster.prefix import request_prefix
