@@ -53,15 +53,47 @@ def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 _SKIP: set[str] = set()
 
 
-def _store(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q) -> None:
-    if name in _SKIP:
-        return
+def decoder_writer(
+    path: Path, arch: str, layers: int, context: int, hidden: int, ffn: int, heads: int, kv_heads: int
+) -> gguf.GGUFWriter:
+    """A GGUFWriter with the shape keys llama.cpp writes for every decoder architecture."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    return writer
+
+
+def add_tiny_tokenizer(writer: gguf.GGUFWriter) -> int:
+    """tiny_vocab() as a byte-level BPE tokenizer (SmolLM2's pre-tokenizer), BOS 1, EOS 2; its size."""
+    tokens, types, merges = tiny_vocab()
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return len(tokens)
+
+
+def store_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q = Q.F32) -> None:
+    """`w` as GGUF type `qtype` (F32, F16, or quantized by gguf-py)."""
     if qtype == Q.F32:
         writer.add_tensor(name, w.astype(np.float32))
     elif qtype == Q.F16:
         writer.add_tensor(name, w.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+
+
+def _store(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: Q) -> None:
+    if name not in _SKIP:
+        store_tensor(writer, name, w, qtype)
 
 
 def write_tiny_llama(path: Path, tied: bool = False, seed: int = 0, skip: str | None = None) -> dict[str, np.ndarray]:
@@ -71,25 +103,10 @@ def write_tiny_llama(path: Path, tied: bool = False, seed: int = 0, skip: str | 
     if skip:
         _SKIP.add(skip)
     rng = np.random.default_rng(seed)
-    tokens, types, merges = tiny_vocab()
-    vocab = len(tokens)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer = decoder_writer(path, "llama", LAYERS, 512, HIDDEN, FFN, HEADS, KV_HEADS)
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    vocab = add_tiny_tokenizer(writer)
     writer.add_add_bos_token(False)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
 

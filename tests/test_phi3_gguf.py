@@ -16,7 +16,7 @@ from cpuserve.model.loader import load_model
 from cpuserve.model.resolve import resolve_model
 from cpuserve.offline.gguf_convert import convert_gguf
 from cpuserve.quant.linear import Linear
-from tests.gguf_fixtures import tiny_vocab
+from tests.gguf_fixtures import add_tiny_tokenizer, decoder_writer, store_tensor, tiny_vocab
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,15 +67,17 @@ _LAYER = {
 def _write_phi3_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q]) -> None:
     """As llama.cpp's converter writes a Phi-3 (rows as HF has them); `types`: GGUF type by layer
     tensor name (F32 where not given)."""
-    tokens, token_types, merges = tiny_vocab()
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = decoder_writer(
+        path,
+        "phi3",
+        cfg.num_hidden_layers,
+        cfg.max_position_embeddings,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    )
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
@@ -83,20 +85,10 @@ def _write_phi3_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q]) ->
     scale = cfg.max_position_embeddings / ORIGINAL
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIGINAL)))
     writer.add_sliding_window(WINDOW)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_tiny_tokenizer(writer)
 
     def store(name: str, w: np.ndarray, qtype: Q = Q.F32) -> None:
-        if qtype == Q.F32:
-            writer.add_tensor(name, w.astype(np.float32))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+        store_tensor(writer, name, w, qtype)
 
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     store("token_embd.weight", state["model.embed_tokens.weight"])
