@@ -9,7 +9,6 @@ import torch
 
 from cpuserve.model.decoder import ContiguousAttention
 from cpuserve.model.loader import load_model
-from cpuserve.model.rope import cos_sin
 from cpuserve.offline.calibrate import CalibrationOptions, _record_inputs, _smooth, gptq_quantize
 from cpuserve.offline.quantize import quantize_checkpoint, quantize_weight
 from cpuserve.quant.config import WeightQuant
@@ -59,7 +58,7 @@ def test_smoothing_keeps_the_function_and_flattens_the_activations(smol_dir):
     ids = torch.tensor([Tokenizer(smol_dir).encode(text)[:256]])
     before = model(ids)[0]
     layer = model.model.layers[0]
-    cos, sin = cos_sin(model.inv_freq, torch.arange(ids.shape[1]), torch.float32)
+    cos, sin = model.rope_tables(torch.arange(ids.shape[1]))[0]  # float32 model: float32 tables
     h = model.model.embed_tokens(ids)
     backend = ContiguousAttention(None, 0, gqa=True)
     stats = _record_inputs(layer, lambda: layer(h, cos, sin, 0, backend))

@@ -207,6 +207,8 @@ def test_serve_run_builder_refuses_bad_flags_and_replica_counts() -> None:
         build({"replicas": 1, "min_replicas": 2})
     with pytest.raises(CpuserveError, match="tensor-parallel"):
         build({"serve_args": "-tp 2"})
+    with pytest.raises(CpuserveError, match="uvicorn-log-level"):  # accepted by serve, meaningless here
+        build({"serve_args": "--uvicorn-log-level info"})
 
 
 def test_deployment_options_fixed_or_autoscaled(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -440,3 +442,28 @@ def test_ingress_reports_every_replica_and_hides_them_without_the_key() -> None:
     assert 'replica="r0"' in metrics and 'replica="r1"' in metrics and "cpuserve:cluster_replicas 2.0" in metrics
     reports.clear()
     assert client.get("/health").status_code == 503
+
+
+def test_the_proxy_check_asks_where_serve_was_told_to_listen() -> None:
+    import http.server
+    import threading
+
+    from cpuserve.bench.server_process import free_port
+    from cpuserve.cluster.app import _proxy_answers
+
+    class Routes(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/-/routes" else 404)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Routes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        assert _proxy_answers("127.0.0.1", port) and _proxy_answers("0.0.0.0", port)  # 0.0.0.0: asked on loopback
+        assert not _proxy_answers("127.0.0.1", free_port())  # nothing there: Serve listens elsewhere
+    finally:
+        server.shutdown()

@@ -98,6 +98,8 @@ def replica_argv(args: argparse.Namespace) -> tuple[list[str], argparse.Namespac
     argv = serve_argv(args)
     parsed = serve_args(argv)
     check_serve_args(parsed)
+    if parsed.uvicorn_log_level != "warning":
+        raise CpuserveError("--uvicorn-log-level: replicas run no uvicorn of their own (Ray Serve's proxy serves HTTP)")
     api_key = parsed.api_key or os.environ.get("VLLM_API_KEY") or None
     if api_key and not parsed.api_key:
         argv += ["--api-key", api_key]
@@ -191,6 +193,18 @@ def build(config: dict[str, Any]) -> Any:
     return build_application(args)
 
 
+def _proxy_answers(host: str, port: int) -> bool:
+    """Whether Ray Serve's proxy answers where we said it would (its route table, /-/routes)."""
+    import urllib.request
+
+    probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    try:
+        with urllib.request.urlopen(f"http://{probe}:{port}/-/routes", timeout=10) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """Deploy on the Ray cluster and serve until SIGTERM/SIGINT; then delete the app (replicas drain)."""
     import ray
@@ -229,6 +243,12 @@ def run_cluster(args: argparse.Namespace) -> int:
     except Exception as exc:
         serve.delete(APP_NAME)  # nothing half-deployed left on a cluster we joined
         raise CpuserveError(f"the application did not deploy: {exc}") from None
+    if not _proxy_answers(args.host, args.port):
+        serve.delete(APP_NAME)
+        raise CpuserveError(
+            f"Ray Serve on this cluster does not listen on {args.host}:{args.port}: it was started before with "
+            "other HTTP options, which Ray keeps (`serve shutdown` there, or give its --host/--port)"
+        )
     log.info(
         "listening on http://%s:%d (OpenAI API under /v1; /health and /metrics cover every replica)",
         args.host,

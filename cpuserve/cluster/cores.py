@@ -34,7 +34,7 @@ def choose_cores(cores_by_node: dict[int, list[int]], taken: list[int], count: i
         where = f"NUMA node {node}" if len(cores_by_node) > 1 else "this machine"
         return free[node][:count], f"{count} free core(s) of {where}"
     every = [c for _, cores in sorted(cores_by_node.items()) for c in cores]
-    chosen = sorted(every, key=lambda c: (use[c], every.index(c)))[:count]
+    chosen = sorted(every, key=lambda c: use[c])[:count]  # stable: node order among equally used cores
     shared = [c for c in chosen if use[c]]
     if shared:
         return chosen, f"only {count - len(shared)} free core(s) left: sharing {len(shared)} with other replicas"

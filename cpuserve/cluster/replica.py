@@ -57,8 +57,10 @@ def normal_priority() -> str:
     """Undo Ray's worker niceness (15 by default) for every thread of this process; what happened, in words.
 
     At nice 15 an engine replica gets a small share of a core that anything at nice 0 also wants
-    (the load balancer, a client, Ray's own daemons); measured here, two replicas then served fewer
-    tokens than one. Threads started later inherit their creator's value.
+    (a client, Ray's own daemons). Seen here under 16 streams (`top`, docs/benchmarks.md "Past one
+    machine"): at nice 15 the two replicas used 52% and 29% of their cores on an unsaturated machine;
+    at nice 0 the busier one (a routing bug fixed since kept the other idle) used 71%. Not measured
+    apart from that fix. Threads started later inherit their creator's value.
     """
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if before <= 0:

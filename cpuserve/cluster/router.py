@@ -59,9 +59,6 @@ class PrefixAwareRouter(RequestRouter):
         self.placing: dict[str, tuple[str, float]] = {}
         live.ROUTERS.add(self)
 
-    def replicas(self) -> list[RunningReplica]:
-        return list(self.curr_replicas.values())
-
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
@@ -105,9 +102,7 @@ class PrefixAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         current = {replica_key(r.replica_id) for r in replicas}
         for key in [k for k in self.in_flight if k not in current]:
-            del self.in_flight[key]
-            self.prefixes.forget(key)
-        self.placing = {rid: p for rid, p in self.placing.items() if p[0] in current}
+            self._forget(key)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.placing.pop(internal_request_id, None)
@@ -115,6 +110,11 @@ class PrefixAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.in_flight.pop(replica_key(replica_id), None)
-        self.prefixes.forget(replica_key(replica_id))
+        self._forget(replica_key(replica_id))
         log.warning("replica %s died: no more requests go to it", replica_key(replica_id))
+
+    def _forget(self, key: str) -> None:
+        """A replica gone holds nothing and runs nothing."""
+        self.in_flight.pop(key, None)
+        self.prefixes.forget(key)
+        self.placing = {rid: p for rid, p in self.placing.items() if p[0] != key}

@@ -264,7 +264,6 @@ class CausalLM(nn.Module):
             self.rotary = Rotary(spec.rope, spec.head_dim)
             # Sliding layers with a rope of their own (Gemma's local base frequency).
             self.local_rotary = Rotary(spec.local_rope, spec.head_dim) if spec.local_rope is not None else None
-        self.inv_freq = self.rotary.inv_freq  # the (short) frequencies, for tools that build their own tables
 
     @property
     def dtype(self) -> torch.dtype:

@@ -79,6 +79,8 @@ class Rotary:
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [*positions.shape, head_dim] in dtype."""
         inv = self.inv_freq
-        if self.long_inv_freq is not None and self.long_from is not None and bool((positions >= self.long_from).any()):
-            inv = torch.where((positions >= self.long_from).unsqueeze(-1), self.long_inv_freq, self.inv_freq)
+        if self.long_inv_freq is not None and self.long_from is not None:
+            long = positions >= self.long_from
+            if bool(long.any()):
+                inv = torch.where(long.unsqueeze(-1), self.long_inv_freq, self.inv_freq)
         return cos_sin(inv, positions, dtype, self.scale)
