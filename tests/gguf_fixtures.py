@@ -4,6 +4,7 @@ dequantizer written from the format description (not from the gguf package)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -65,6 +66,20 @@ def decoder_writer(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     return writer
+
+
+def hf_decoder_writer(path: Path, arch: str, cfg: Any) -> gguf.GGUFWriter:
+    """decoder_writer with the shape of a transformers config."""
+    return decoder_writer(
+        path,
+        arch,
+        cfg.num_hidden_layers,
+        cfg.max_position_embeddings,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    )
 
 
 def add_tiny_tokenizer(writer: gguf.GGUFWriter) -> int:

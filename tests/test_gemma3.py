@@ -31,7 +31,7 @@ from cpuserve.model.config import spec_from_config
 from cpuserve.model.loader import load_model
 from cpuserve.offline.gguf_convert import convert_gguf_weights
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
-from tests.gguf_fixtures import decoder_writer
+from tests.gguf_fixtures import hf_decoder_writer
 
 transformers = pytest.importorskip("transformers")
 
@@ -244,16 +244,7 @@ def _write_gemma3_gguf(ref, path: Path) -> None:
     """Metadata as llama.cpp's converter writes it; tensor names from gguf-py's map; every norm
     weight stored with +1 (llama.cpp's convention for Gemma), q/k rows as HF has them."""
     cfg = ref.config
-    writer = decoder_writer(
-        path,
-        "gemma3",
-        cfg.num_hidden_layers,
-        cfg.max_position_embeddings,
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-    )
+    writer = hf_decoder_writer(path, "gemma3", cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])

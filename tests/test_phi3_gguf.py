@@ -16,7 +16,7 @@ from cpuserve.model.loader import load_model
 from cpuserve.model.resolve import resolve_model
 from cpuserve.offline.gguf_convert import convert_gguf
 from cpuserve.quant.linear import Linear
-from tests.gguf_fixtures import add_tiny_tokenizer, decoder_writer, store_tensor, tiny_vocab
+from tests.gguf_fixtures import add_tiny_tokenizer, hf_decoder_writer, store_tensor, tiny_vocab
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,16 +68,7 @@ def _write_phi3_gguf(model: torch.nn.Module, path: Path, types: dict[str, Q]) ->
     """As llama.cpp's converter writes a Phi-3 (rows as HF has them); `types`: GGUF type by layer
     tensor name (F32 where not given)."""
     cfg = model.config
-    writer = decoder_writer(
-        path,
-        "phi3",
-        cfg.num_hidden_layers,
-        cfg.max_position_embeddings,
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-    )
+    writer = hf_decoder_writer(path, "phi3", cfg)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
