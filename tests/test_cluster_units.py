@@ -438,6 +438,9 @@ def test_ingress_reports_every_replica_and_hides_them_without_the_key() -> None:
     full = client.get("/health", headers=KEYED).json()
     assert [r["replica"] for r in full["replicas"]] == ["r0", "r1"] and "metrics" not in full["replicas"][0]
     assert full["replicas"][1]["pid"] == 11
+    import ray
+
+    assert not ray.is_initialized()  # no Ray started by asking (its driver would outlive the test)
     metrics = client.get("/metrics", headers=KEYED).text
     assert 'replica="r0"' in metrics and 'replica="r1"' in metrics and "cpuserve:cluster_replicas 2.0" in metrics
     reports.clear()
