@@ -231,7 +231,9 @@ def test_doctor_report_on_container_with_bundled_model(smol_dir):
     report = build_report(machine("container_cgroup2"), {"FLAGGEMS_VENDOR": "arm"}, smol_dir)
     assert report["problems"] == []
     mem = report["decisions"]["memory"]
-    assert mem["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # layers x kv heads x head_dim x bf16, K and V
+    # the activations' dtype is this host's choice (bfloat16 only with native bf16 dot products)
+    elem = {"bfloat16": 2, "float32": 4}[report["model"]["compute_dtype"]]
+    assert mem["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * elem  # layers x kv heads x head_dim x dtype, K and V
     assert report["model"]["parameters"] == 134_515_008
     text = render_text(report)
     for expected in (
@@ -269,3 +271,24 @@ def test_doctor_cli_live(cache_dir, smol_dir):
         env=env,
     )
     assert too_long.returncode == 1 and "longer than the model's 8192 positions" in too_long.stdout
+
+
+def test_aarch64_under_qemu_user_takes_its_features_from_hwcap(monkeypatch):
+    """qemu-user before 8.2 shows an aarch64 process the host's x86 /proc/cpuinfo: the features are
+    then the emulated CPU's HWCAPs (what the native kernels read), not the host's flags."""
+    import cpuserve.platform.cpu as cpu_mod
+    from cpuserve.platform.sysfs import SystemFiles
+
+    class LiveTree(SystemFiles):  # the recorded x86 tree, read as if it were this live machine's
+        @property
+        def live(self) -> bool:
+            return True
+
+    monkeypatch.setattr(cpu_mod.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_mod, "_hwcap_features", lambda: {"asimd", "asimddp", "i8mm"})
+    cpu = cpu_mod.detect_cpu(LiveTree(FIXTURES / "x86_epyc_2core"))
+    assert (cpu.arch, cpu.features) == ("aarch64", frozenset({"asimd", "asimddp", "i8mm"}))
+    assert cpu.model_name == "Arm CPU (features from HWCAP)"
+    assert plan_kernel(cpu, read_overrides({})).variant == "neon_i8mm"
+    monkeypatch.setattr(cpu_mod, "_hwcap_features", lambda: {"asimd"})
+    assert plan_kernel(cpu_mod.detect_cpu(LiveTree(FIXTURES / "x86_epyc_2core")), read_overrides({})).variant == "neon"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,3 +93,23 @@ def test_the_wheel_serves_on_its_own_kernels_without_a_compiler(wheel, tmp_path,
         proc.wait(30)
     text = (tmp_path / "serve.log").read_text()
     assert "decode step: native" in text and "not built" not in text and "reference path" not in text
+
+
+def test_a_cross_build_is_named_as_the_target_machine_names_it(tmp_path):
+    """The aarch64 library built here must carry the name an aarch64 machine with that torch looks
+    for (the key hashes the sources, the torch version and the machine), and a wheel that is not a
+    Linux torch wheel is refused by name."""
+    from cpuserve.kernels.cross_build import cross_build, wheel_target
+
+    target = wheel_target(Path("torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl"))
+    assert target == {"torch": "2.10.0", "machine": "aarch64"}
+    assert wheel_target(Path("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"))["torch"] == "2.13.0"
+    names = {
+        kbuild.library_name(target),
+        kbuild.library_name({**target, "machine": "x86_64"}),
+        kbuild.library_name({**target, "torch": "2.13.0"}),
+    }
+    assert len(names) == 3
+    assert kbuild.library_name(kbuild.built_for()) == kbuild.library_name()
+    with pytest.raises(ValueError, match=re.escape("torch-2.10.0-cp311-cp311-win_amd64.whl: not a Linux torch wheel")):
+        cross_build(tmp_path / "torch-2.10.0-cp311-cp311-win_amd64.whl")

@@ -27,21 +27,27 @@ BUILD_DIR = HERE / "_build"
 BUILT_FOR = "built_for.json"  # next to each library: the torch version and machine it was built for
 
 
-def _key() -> str:
+def built_for(torch_version: str | None = None, machine: str | None = None) -> dict[str, str]:
+    """The torch version and machine a library is for: this one's unless given (a cross build)."""
     import importlib.metadata
     import platform
 
+    return {"torch": torch_version or importlib.metadata.version("torch"), "machine": machine or platform.machine()}
+
+
+def _key(target: dict[str, str]) -> str:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(str(src.relative_to(CSRC)).encode())
         h.update(src.read_bytes())
-    h.update(importlib.metadata.version("torch").encode())
-    h.update(platform.machine().encode())
+    h.update(target["torch"].encode())
+    h.update(target["machine"].encode())
     return h.hexdigest()[:16]
 
 
-def library_name() -> str:
-    return f"cpuserve_kernels_{_key()}"
+def library_name(target: dict[str, str] | None = None) -> str:
+    """The library's name (and folder) for these sources, torch and machine: this one's unless given."""
+    return f"cpuserve_kernels_{_key(target or built_for())}"
 
 
 def built_library() -> Path | None:
@@ -72,13 +78,6 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"the kernel build produced no library in {out}")
     (out / BUILT_FOR).write_text(json.dumps(built_for()))
     return path
-
-
-def built_for() -> dict[str, str]:
-    import importlib.metadata
-    import platform
-
-    return {"torch": importlib.metadata.version("torch"), "machine": platform.machine()}
 
 
 def other_builds() -> list[tuple[Path, dict[str, str]]]:

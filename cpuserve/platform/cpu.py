@@ -25,6 +25,19 @@ X86_FEATURES = (
     "amx_bf16",
 )
 ARM_FEATURES = ("asimd", "asimdhp", "asimddp", "i8mm", "sve", "sve2", "bf16", "svei8mm", "sme")
+# The same features as the kernel's aarch64 HWCAP bits (uapi asm/hwcap.h): (AT_HWCAP or AT_HWCAP2, bit).
+AT_HWCAP, AT_HWCAP2 = 16, 26
+ARM_HWCAPS = {
+    "asimd": (AT_HWCAP, 1),
+    "asimdhp": (AT_HWCAP, 10),
+    "asimddp": (AT_HWCAP, 20),
+    "sve": (AT_HWCAP, 22),
+    "sve2": (AT_HWCAP2, 1),
+    "svei8mm": (AT_HWCAP2, 9),
+    "i8mm": (AT_HWCAP2, 13),
+    "bf16": (AT_HWCAP2, 14),
+    "sme": (AT_HWCAP2, 23),
+}
 
 # Arm MIDR part numbers (implementer 0x41) of efficiency ("LITTLE") cores.
 ARM_LITTLE_PARTS = {
@@ -154,6 +167,17 @@ def _classify_little(cpus: list[LogicalCpu]) -> tuple[frozenset[int], str]:
     return frozenset(), "all cores alike"
 
 
+def _hwcap_features() -> set[str]:
+    """This process's aarch64 features from the auxiliary vector, as the native kernels read them."""
+    import ctypes
+
+    getauxval = ctypes.CDLL(None).getauxval
+    getauxval.restype = ctypes.c_ulong
+    getauxval.argtypes = [ctypes.c_ulong]
+    words = {AT_HWCAP: getauxval(AT_HWCAP), AT_HWCAP2: getauxval(AT_HWCAP2)}
+    return {name for name, (word, bit) in ARM_HWCAPS.items() if words[word] >> bit & 1}
+
+
 def detect_cpu(files: SystemFiles) -> CpuInfo:
     blocks = _cpuinfo_blocks(files.read("proc/cpuinfo") or "")
     arch = _arch(files, blocks)
@@ -168,6 +192,10 @@ def detect_cpu(files: SystemFiles) -> CpuInfo:
         if "processor" in block and block["processor"].isdigit() and "cpu part" in block:
             with contextlib.suppress(ValueError):
                 per_cpu_part[int(block["processor"])] = int(block["cpu part"], 0)
+    if arch == "aarch64" and files.live and not any(flag_key in b for b in blocks):
+        # A /proc/cpuinfo of another architecture (qemu-user before 8.2 shows the host's): the
+        # features are the emulated CPU's HWCAPs, and its name is not known.
+        flags, model_name, per_cpu_part = _hwcap_features(), "Arm CPU (features from HWCAP)", {}
     if arch == "aarch64" and not model_name:
         parts = sorted({ARM_PART_NAMES.get(p, f"part {p:#x}") for p in per_cpu_part.values()})
         model_name = " + ".join(parts) if parts else "Arm CPU"
