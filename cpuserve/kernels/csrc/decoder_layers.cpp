@@ -3,7 +3,8 @@
 // views per layer that cost more than the ops themselves on a small model (SmolLM2: 30 layers of
 // 576 wide). Only steps where every sequence brings one new token come here; prefill stays in Python.
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include <cstring>
 #include <memory>

@@ -10,7 +10,8 @@
 // products) run in a different order. Loops are written with 8 independent partial sums so the
 // compiler vectorizes them without reassociating float adds (-ffp-contract=off, no fast-math).
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 // row, resolved once in Python (kernels.variant(name)).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <vector>
 

@@ -2,7 +2,8 @@
 // driver (linear_driver.h) on torch's thread pool; the weight layouts each variant needs; the
 // variant table as Python `Variant` objects, and its dispatch counters.
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "linear_driver.h"
