@@ -75,16 +75,18 @@ def test_smoothing_keeps_the_function_and_flattens_the_activations(smol_dir):
 
 
 def test_calibrated_w8a8_is_closer_to_the_float_model_than_rtn_on_unseen_text(smol_dir, tmp_path):
-    """Calibrated on the Apache license, judged on the GPL-3: KL(float || quantized) per token."""
+    """Calibrated with no text at all, on the model's own samples (the default of `cpuserve
+    quantize`), judged on the GPL-3: KL(float || quantized) per token. A user's texts take the same
+    path from their windows (next test)."""
     common = {"progress": False}
     rtn = quantize_checkpoint(smol_dir, tmp_path / "rtn", "w8a8", **common)
-    cal = quantize_checkpoint(
+    own = quantize_checkpoint(
         smol_dir,
-        tmp_path / "cal",
+        tmp_path / "self",
         "w8a8",
-        calibration=[LICENSES / "Apache-2.0"],
-        calibration_tokens=1024,
-        calibration_window=256,
+        calibration="self",
+        calibration_tokens=512,
+        calibration_window=128,
         **common,
     )
     ids = torch.tensor([Tokenizer(smol_dir).encode((LICENSES / "GPL-3").read_text()[:4000])[:400]])
@@ -94,5 +96,33 @@ def test_calibrated_w8a8_is_closer_to_the_float_model_than_rtn_on_unseen_text(sm
         logp = torch.log_softmax(load_model(path, "float32")(ids)[0], -1)
         return torch.nn.functional.kl_div(logp, base, log_target=True, reduction="batchmean").item()
 
-    k_rtn, k_cal = kl(rtn), kl(cal)
-    assert k_cal < 0.7 * k_rtn, (k_rtn, k_cal)
+    k_rtn, k_self = kl(rtn), kl(own)
+    print(f"KL per token on the GPL-3: RTN {k_rtn:.4f}, self-calibrated {k_self:.4f}")
+    assert k_self < 0.7 * k_rtn, (k_rtn, k_self)
+
+
+def test_user_texts_give_windows_of_their_own_tokens(smol_dir, tmp_path):
+    from cpuserve.errors import ConfigError
+    from cpuserve.offline.quantize import calibration_windows
+
+    tok = Tokenizer(smol_dir)
+    texts = [LICENSES / "Apache-2.0", LICENSES / "MPL-2.0"]
+    ids = [i for t in texts for i in tok.encode(t.read_text(errors="replace"), add_special_tokens=False)]
+    windows = calibration_windows(tok, texts, 1000, 256)
+    assert windows.shape == (3, 256) and windows.flatten().tolist() == ids[:768]
+    with pytest.raises(ConfigError, match="no such file"):
+        calibration_windows(tok, [tmp_path / "missing.txt"], 1000, 256)
+
+
+def test_self_calibration_text_is_the_models_own_and_seeded(smol_dir):
+    """Windows of the requested shape, the same for a seed, another for another seed; plain and chat
+    starts in turn (SmolLM2 has a chat template)."""
+    from cpuserve.offline.self_calibration import self_calibration_windows
+
+    first = self_calibration_windows(smol_dir, 96, 32, seed=1, progress=False)
+    assert first.shape == (3, 32)
+    assert torch.equal(first, self_calibration_windows(smol_dir, 96, 32, seed=1, progress=False))
+    assert not torch.equal(first, self_calibration_windows(smol_dir, 96, 32, seed=2, progress=False))
+    text = Tokenizer(smol_dir).decode(first.flatten().tolist(), skip_special_tokens=False)
+    assert text.startswith("<|endoftext|>The") or text.startswith("The"), text[:80]
+    assert "<|im_start|>user\nTell me a story.<|im_end|>" in text, text[:400]

@@ -48,10 +48,13 @@ def test_gguf_argument_is_served_from_the_file(tmp_path):
 
 def test_quantize_without_a_source_quantizes_the_bundled_model(cache_dir, smol_dir, tmp_path):
     """The bundled model is a GGUF: quantize takes its float conversion (the cached one), never the
-    GGUF serving directory (which holds no safetensors), and writes a checkpoint that serves."""
+    GGUF serving directory (which holds no safetensors), and writes a checkpoint that serves. With
+    no text given it calibrates on text the model writes itself (four short windows here)."""
     out = tmp_path / "w8a8"
-    proc = _run(["quantize", "--scheme", "w8a8", str(out)], {"CPUSERVE_CACHE_DIR": str(cache_dir)})
+    args = ["quantize", "--scheme", "w8a8", "--calibration-tokens", "256", "--calibration-window", "64", str(out)]
+    proc = _run(args, {"CPUSERVE_CACHE_DIR": str(cache_dir)})
     assert proc.returncode == 0, proc.stderr
+    assert "[calibration] sampling 4 x 64 tokens from the model itself" in proc.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     gen = _run(["generate", str(out), "--prompt", "The capital of France is", "--max-tokens", "4"])

@@ -43,22 +43,30 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         choices=["mse", "minmax"],
         help="mse: least-error scale per group (default); minmax: compressed-tensors' amax rule",
     )
-    qz.add_argument(
+    calib = qz.add_mutually_exclusive_group()
+    calib.add_argument(
         "--calibration",
         nargs="+",
         default=None,
         metavar="TEXT_FILE",
-        help="plain-text files to calibrate on: enables SmoothQuant folding and GPTQ (default: data-free RTN)",
+        help="plain-text files to calibrate on (default: text the model writes itself, seeded)",
+    )
+    calib.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="plain round-to-nearest: no SmoothQuant, no GPTQ, no calibration text",
     )
     qz.add_argument("--calibration-tokens", type=int, default=8192, help="at most this many calibration tokens")
+    qz.add_argument("--calibration-window", type=int, default=512, help="tokens per calibration window")
+    qz.add_argument("--calibration-seed", type=int, default=0, help="the seed of the self-written calibration text")
     qz.add_argument(
         "--smoothquant",
         type=float,
         default=0.65,
-        help="SmoothQuant strength alpha with --calibration; 0: off",
+        help="SmoothQuant strength alpha when calibrating; 0: off",
     )
     qz.add_argument(
-        "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ error feedback with --calibration"
+        "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ error feedback when calibrating"
     )
     qz.add_argument("--force", action="store_true")
     qz.add_argument("--cache-dir", default=None)
@@ -117,11 +125,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         ignore,
         args.force,
         scale_method=args.scale_method,
-        calibration=[Path(p) for p in args.calibration or []],
+        calibration=None if args.no_calibration else [Path(p) for p in args.calibration or []] or "self",
         calibration_options=CalibrationOptions(
             smoothquant_alpha=None if args.smoothquant <= 0 else args.smoothquant, gptq=args.gptq
         ),
         calibration_tokens=args.calibration_tokens,
+        calibration_window=args.calibration_window,
+        calibration_seed=args.calibration_seed,
     )
     log.info("wrote %s", out)
     return 0

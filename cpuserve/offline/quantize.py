@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -86,13 +86,15 @@ def quantize_checkpoint(
     force: bool = False,
     progress: bool = True,
     scale_method: str = "mse",
-    calibration: list[Path] | None = None,
+    calibration: list[Path] | Literal["self"] | None = None,
     calibration_options: CalibrationOptions | None = None,
     calibration_tokens: int = 8192,
     calibration_window: int = 512,
+    calibration_seed: int = 0,
 ) -> Path:
-    """Write OUT as a compressed-tensors checkpoint; with calibration texts, smoothing and GPTQ
-    (cpuserve/offline/calibrate.py) replace plain round-to-nearest."""
+    """Write OUT as a compressed-tensors checkpoint; with calibration texts, or "self" (text the model
+    writes itself, offline/self_calibration.py), smoothing and GPTQ (cpuserve/offline/calibrate.py)
+    replace plain round-to-nearest."""
     if scheme not in SCHEMES:
         raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     bits = SCHEMES[scheme]
@@ -133,6 +135,7 @@ def quantize_checkpoint(
             calibration_options or CalibrationOptions(),
             calibration_tokens,
             calibration_window,
+            calibration_seed,
             progress,
         )
     stored = split_prefused(SafetensorsCheckpoint(src), spec)  # Phi-3: qkv_proj written as q/k/v_proj
@@ -178,17 +181,22 @@ def _calibrate(
     src: Path,
     targets: dict[str, WeightQuant],
     quantizer: Quantizer,
-    texts: list[Path],
+    texts: list[Path] | Literal["self"],
     opts: CalibrationOptions,
     tokens: int,
     window: int,
+    seed: int,
     progress: bool,
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
     from cpuserve.model.loader import load_model
+    from cpuserve.offline.self_calibration import self_calibration_windows
     from cpuserve.tokenizer import Tokenizer
 
     spec = load_spec(src)
-    windows = calibration_windows(Tokenizer(src), texts, tokens, window)
+    if texts == "self":
+        windows = self_calibration_windows(src, tokens, window, seed, progress)
+    else:
+        windows = calibration_windows(Tokenizer(src), texts, tokens, window)
     model = load_model(src, "float32", progress=progress, fuse=False)  # smoothing works per projection
     storage = getattr(torch, spec.torch_dtype, torch.bfloat16)
     return calibrate_and_quantize(model, windows, targets, quantizer, opts, storage, progress)
