@@ -70,11 +70,11 @@ if [ "$ARCH" = "$HOST_ARCH" ]; then
     "$PY" -m pip download --quiet --no-deps -d "$CTX/wheels" torch==2.13.0 2>&1 | grep -v "is ignored" >&2 || true
     "$PY" -m pip wheel --quiet . --no-build-isolation --no-deps -w "$CTX/wheels" 2>&1 | grep -v "is ignored" >&2 || true
 else
-    TORCH=2.10.0
-    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_28_aarch64 \
-        --python-version 3.11 -d "$CTX/wheels" "torch==$TORCH" 2>&1 | grep -v "is ignored" >&2 || true
-    CPUSERVE_WHEEL_TORCH=$(ls "$CTX"/wheels/torch-*aarch64.whl) \
-        "$PY" -m pip wheel --quiet . --no-build-isolation --no-deps -w "$CTX/wheels" 2>&1 | grep -v "is ignored" >&2 || true
+    TORCH=$("$PY" -c "from cpuserve.kernels.cross_build import AARCH64_TORCH; print(AARCH64_TORCH)")
+    torch_wheel=$("$PY" -c "from pathlib import Path; from cpuserve.kernels.cross_build import \
+download_aarch64_torch as d; print(d(Path('$CTX/wheels')))") || { echo "[image] no aarch64 torch wheel" >&2; exit 1; }
+    # the cross-compiled library is reused when this tree's sources were built for it already
+    CPUSERVE_WHEEL_TORCH=$torch_wheel "$PY" -m pip wheel --quiet . --no-build-isolation --no-deps -w "$CTX/wheels" 2>&1 | grep -v "is ignored" >&2 || true
     # The image's packages installed here for aarch64 and byte-compiled (.pyc is the same on every
     # arch), so the image only copies them: pip and compileall under qemu took about 8 minutes more.
     # pip evaluates markers for the machine it runs on: told it is aarch64, it resolves what pip in

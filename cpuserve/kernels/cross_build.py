@@ -2,7 +2,7 @@
 architecture's torch wheel, with Debian's cross compiler: how the arm64 wheel and image get their
 kernels. Compiling under emulation instead would take the better part of an hour per build.
 
-    python -m cpuserve.kernels.cross_build TORCH_WHEEL   (e.g. torch-2.10.0-...-aarch64.whl)
+    python -m cpuserve.kernels.cross_build [TORCH_WHEEL]   (default: PyPI's aarch64 torch, downloaded)
 
 The library lands in _build/ under the name an aarch64 machine with that torch computes
 (build.library_name), with its built_for.json, exactly as a native build would leave it. The
@@ -25,6 +25,8 @@ from pathlib import Path
 from cpuserve.kernels.build import BINDINGS, BUILD_DIR, BUILT_FOR, CFLAGS, CORE, CSRC, built_for, library_name
 
 COMPILERS = {"aarch64": "aarch64-linux-gnu-g++"}
+# pyproject.toml's torch pin on aarch64: PyPI's later aarch64 torch wheels are CUDA builds.
+AARCH64_TORCH = "2.10.0"
 # What the binding links, as torch's extension build links it (build.ninja's ldflags).
 TORCH_LIBS = ("c10", "torch_cpu", "torch", "torch_python")
 
@@ -36,6 +38,18 @@ def wheel_target(torch_wheel: Path) -> dict[str, str]:
     if m is None:
         raise ValueError(f"{torch_wheel.name}: not a Linux torch wheel for aarch64 or x86_64")
     return {"torch": m.group(1).split("+")[0], "machine": m.group(2)}
+
+
+def download_aarch64_torch(into: Path) -> Path:
+    """PyPI's aarch64 CPU torch wheel (AARCH64_TORCH) for CPython 3.11, into a folder (pip's cache
+    makes a second download a copy)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--platform", "manylinux_2_28_aarch64", "--python-version", "3.11", "-d", str(into)]
+    done = subprocess.run([*cmd, f"torch=={AARCH64_TORCH}"], capture_output=True, text=True)
+    wheels = sorted(into.glob(f"torch-{AARCH64_TORCH}-*aarch64.whl"))
+    if done.returncode != 0 or not wheels:
+        raise RuntimeError(f"pip could not download torch {AARCH64_TORCH} for aarch64:\n{done.stderr[-2000:]}")
+    return wheels[0]
 
 
 def _unpack_torch(torch_wheel: Path, into: Path) -> Path:
@@ -101,5 +115,10 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("torch_wheel", type=Path, help="the target's torch wheel (its headers and libraries)")
-    print(cross_build(parser.parse_args().torch_wheel))
+    parser.add_argument("torch_wheel", type=Path, nargs="?", help="the target's torch wheel (default: downloaded)")
+    wheel = parser.parse_args().torch_wheel
+    if wheel is None:
+        with tempfile.TemporaryDirectory(prefix="cpuserve-torch-") as tmp:
+            print(cross_build(download_aarch64_torch(Path(tmp))))
+    else:
+        print(cross_build(wheel))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cpuserve.kernels.build import BINDINGS, CHECK, CORE, CSRC
+from cpuserve.kernels.build import CHECK, CORE, CSRC
 
 QEMU_CPUS = {"max": "neon_i8mm", "neoverse-n1": "neon_dotprod", "cortex-a53": "neon"}
 # GCC 12's AVX-512 headers trip -Wuninitialized on their own placeholders; nothing of ours.
@@ -42,27 +42,6 @@ def build_check(out_dir: Path, target: str = "native") -> Path:
     return binary
 
 
-def compile_binding_for_aarch64() -> subprocess.CompletedProcess:
-    """Compile (syntax and semantics, no object) the torch bindings (qlinear.cpp, layer_ops.cpp, ...) for
-    aarch64 against this torch's headers: the same sources `./run setup` builds on an Arm machine."""
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-
-    cmd = [
-        "aarch64-linux-gnu-g++",
-        "-fsyntax-only",
-        "-std=c++20",
-        "-fopenmp",
-        "-ffp-contract=off",
-        "-DTORCH_EXTENSION_NAME=cpuserve_kernels",
-        *(f"-I{p}" for p in include_paths()),
-        f"-I{sysconfig.get_paths()['include']}",
-        *(str(CSRC / name) for name in BINDINGS),
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-
-
 def run_check(binary: Path, qemu_cpu: str | None = None, variant: str | None = None) -> subprocess.CompletedProcess:
     cmd = (["qemu-aarch64", "-cpu", qemu_cpu] if qemu_cpu else []) + [str(binary)] + ([variant] if variant else [])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -84,10 +63,6 @@ def main() -> int:
             result = run_check(binaries[target], cpu)
             print(f"== {target}{f' under qemu -cpu {cpu}' if cpu else ''}\n{result.stdout}", end="")
             ok &= result.returncode == 0
-        if all(cross_tools().values()):
-            binding = compile_binding_for_aarch64()
-            print(f"== torch binding compiled for aarch64: {'ok' if binding.returncode == 0 else binding.stderr}")
-            ok &= binding.returncode == 0
     return 0 if ok else 1
 
 
