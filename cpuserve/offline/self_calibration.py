@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from cpuserve.errors import ConfigError
+from cpuserve.tokenizer import Tokenizer
 
 # Plain-text starts: a word or two each, no topic of their own.
 PLAIN_STARTS = ("The", "In", "A", "It", "When", "There", "One", "This", "If", "We", "I", "As", "For", "After")
@@ -25,7 +26,8 @@ CHAT_STARTS = (
     "Write some code and explain it.",
     "What should I know about history?",
 )
-MAX_ROUNDS = 4  # sequences that stop early at an end token are made up in later rounds
+MAX_ROUNDS = 4
+BLOCK_SIZE = 16  # sequences that stop early at an end token are made up in later rounds
 
 
 def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0, progress: bool = True) -> torch.Tensor:
@@ -37,12 +39,23 @@ def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0,
     count = tokens // window
     if count == 0:
         raise ConfigError(f"--calibration-tokens {tokens}: at least one window of {window} tokens is needed")
-    llm = LLM(str(src), dtype="float32", quantize_lm_head="none")
-    tok = llm.tokenizer
+    tok = Tokenizer(src)
     starts = [tok.encode(text) for text in PLAIN_STARTS]
     if tok.chat_template is not None:  # plain and chat starts in turn
         chats = [tok.encode_chat([{"role": "user", "content": text}]) for text in CHAT_STARTS]
         starts = [s for pair in zip(starts, chats * 3, strict=False) for s in pair]
+    # a KV cache for these sequences only (the engine's default takes most of the free memory)
+    longest = window + max(map(len, starts))
+    blocks = count * (-(-longest // BLOCK_SIZE) + 1)
+    llm = LLM(
+        str(src),
+        dtype="float32",
+        quantize_lm_head="none",
+        max_num_seqs=count,
+        max_model_len=longest,
+        num_kv_blocks=blocks,
+        block_size=BLOCK_SIZE,
+    )
     stream: list[int] = []
     for rnd in range(MAX_ROUNDS):
         missing = count * window - len(stream)
