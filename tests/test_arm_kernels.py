@@ -1,7 +1,8 @@
 """The kernel core without torch: natively, and cross-compiled for aarch64 and run under qemu-user on
 three CPU models (Armv9 with I8MM, Armv8.2 with dotprod, plain Armv8.0). Each run selects its variant
-from the CPU's HWCAPs and checks every variant it can run against the scalar twin on odd shapes
-(M 1..17, several N, K 128..4096, groups 32/64/128 and channel-wise); budgets in kernel_check.cpp."""
+from the CPU's HWCAPs and checks it (under Armv9: every Arm variant) against the scalar twin on odd
+shapes (M 1..17, several N, K 128..4096, groups 32/64/128 and channel-wise); budgets in
+kernel_check.cpp. And the whole torch-bound library cross-built for aarch64."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def test_arm_variants_equal_the_scalar_twin_under_qemu(arm_binary, cpu):
 
 def test_the_torch_binding_cross_compiles_and_links_for_aarch64(tmp_path_factory):
     """The whole kernel library (the torch bindings included) compiled with the aarch64 compiler
-    against PyPI's aarch64 torch wheel and linked with its libraries, as the arm64 wheel and image
-    carry it (the image test then reuses this build)."""
+    against PyPI's aarch64 torch wheel's headers and linked as a shared library with its libraries,
+    as the arm64 wheel and image carry it (the image test then reuses this build). Symbols are
+    resolved when it loads (the arm64 image test's doctor loads it under qemu)."""
     if shutil.which("aarch64-linux-gnu-g++") is None:
         if _can_install():
             pytest.fail("aarch64-linux-gnu-g++ missing; apt-get install g++-aarch64-linux-gnu")

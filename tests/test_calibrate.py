@@ -76,8 +76,8 @@ def test_smoothing_keeps_the_function_and_flattens_the_activations(smol_dir):
 
 def test_calibrated_w8a8_is_closer_to_the_float_model_than_rtn_on_unseen_text(smol_dir, tmp_path):
     """Calibrated with no text at all, on the model's own samples (the default of `cpuserve
-    quantize`), judged on the GPL-3: KL(float || quantized) per token. A user's texts take the same
-    path from their windows (next test)."""
+    quantize`), judged on the GPL-3: KL(float || quantized) per token. A user's texts differ only in
+    where the windows come from (next test); their end-to-end gain is measured in docs/benchmarks.md."""
     common = {"progress": False}
     rtn = quantize_checkpoint(smol_dir, tmp_path / "rtn", "w8a8", **common)
     own = quantize_checkpoint(
@@ -124,5 +124,5 @@ def test_self_calibration_text_is_the_models_own_and_seeded(smol_dir):
     assert torch.equal(first, self_calibration_windows(smol_dir, 96, 32, seed=1, progress=False))
     assert not torch.equal(first, self_calibration_windows(smol_dir, 96, 32, seed=2, progress=False))
     text = Tokenizer(smol_dir).decode(first.flatten().tolist(), skip_special_tokens=False)
-    assert text.startswith("<|endoftext|>The") or text.startswith("The"), text[:80]
+    assert text.startswith("The"), text[:80]  # SmolLM2's tokenizer adds no BOS
     assert "<|im_start|>user\nTell me a story.<|im_end|>" in text, text[:400]

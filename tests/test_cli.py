@@ -54,7 +54,7 @@ def test_quantize_without_a_source_quantizes_the_bundled_model(cache_dir, smol_d
     args = ["quantize", "--scheme", "w8a8", "--calibration-tokens", "256", "--calibration-window", "64", str(out)]
     proc = _run(args, {"CPUSERVE_CACHE_DIR": str(cache_dir)})
     assert proc.returncode == 0, proc.stderr
-    assert "[calibration] sampling 4 x 64 tokens from the model itself" in proc.stderr
+    assert "[calibration] sampling 4 sequences of up to 64 tokens from the model itself" in proc.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     gen = _run(["generate", str(out), "--prompt", "The capital of France is", "--max-tokens", "4"])

@@ -74,7 +74,7 @@ def cross_build(torch_wheel: Path, jobs: int = 2) -> Path:
     name = library_name(target)
     out = BUILD_DIR / name
     library = out / f"{name}.so"
-    if library.is_file():
+    if library.is_file() and (out / BUILT_FOR).is_file():  # renamed into place only when complete
         return library
     machine = target["machine"]
     print(f"[cross] compiling native kernels for {machine}, torch {target['torch']} into {out}", file=sys.stderr)
@@ -103,11 +103,13 @@ def cross_build(torch_wheel: Path, jobs: int = 2) -> Path:
             list(pool.map(compile_one, zip(sources, objects, strict=True)))
         out.mkdir(parents=True, exist_ok=True)
         link = [compiler, *map(str, objects), "-shared", "-fopenmp", f"-L{torch_dir / 'lib'}"]
-        link += [f"-l{lib}" for lib in TORCH_LIBS] + ["-o", str(library)]
+        partial = out / f".{library.name}.partial"
+        link += [f"-l{lib}" for lib in TORCH_LIBS] + ["-o", str(partial)]
         done = subprocess.run(link, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the {machine} kernel library did not link:\n{done.stderr[-3000:]}")
-    (out / BUILT_FOR).write_text(json.dumps(built_for(target["torch"], target["machine"])))
+        (out / BUILT_FOR).write_text(json.dumps(built_for(target["torch"], target["machine"])))
+        partial.rename(library)
     return library
 
 

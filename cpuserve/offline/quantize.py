@@ -1,5 +1,7 @@
-"""`cpuserve quantize`: round-to-nearest symmetric quantization of a bf16/fp16/fp32 checkpoint into
-a compressed-tensors checkpoint, written with the same conventions llm-compressor uses (so vLLM
+"""`cpuserve quantize`: symmetric quantization of a bf16/fp16/fp32 checkpoint into a
+compressed-tensors checkpoint (calibrated by calibrate.py on a user's texts or the model's own
+samples, or round-to-nearest; in Python `calibration=None`, the CLI's `--no-calibration`, is
+round-to-nearest), written with the same conventions llm-compressor uses (so vLLM
 could load it): q = clamp(round(w / scale), -2^(bits-1), 2^(bits-1) - 1), scales stored in bf16 and
 q computed from the stored scale. The scale is compressed-tensors' amax / ((2^bits - 1) / 2)
 (`minmax`) or, by default, the error-minimising one among a few candidates (`mse`).
@@ -15,7 +17,7 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from cpuserve.errors import ConfigError
+from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory
 from cpuserve.model.config import load_spec
 from cpuserve.model.decoder import CausalLM
@@ -97,6 +99,8 @@ def quantize_checkpoint(
     replace plain round-to-nearest."""
     if scheme not in SCHEMES:
         raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    if out.exists() and not force:  # before minutes of calibration, not after
+        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
     bits = SCHEMES[scheme]
     if bits == 4:
         group_size = 128 if group_size is None else group_size

@@ -7,12 +7,14 @@ LLM-QAT's data-free distillation. Seeded: the same model and options give the sa
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 from pathlib import Path
 
 import torch
 
 from cpuserve.errors import ConfigError
+from cpuserve.model.config import load_spec
 from cpuserve.tokenizer import Tokenizer
 
 # Plain-text starts: a word or two each, no topic of their own.
@@ -26,8 +28,10 @@ CHAT_STARTS = (
     "Write some code and explain it.",
     "What should I know about history?",
 )
-MAX_ROUNDS = 4
-BLOCK_SIZE = 16  # sequences that stop early at an end token are made up in later rounds
+MAX_ROUNDS = 8  # sequences that stop early at an end token are made up in later rounds
+MAX_SEQS = 16  # sampled together (the rest queue): bounds the sampling engine's KV cache
+BLOCK_SIZE = 16
+log = logging.getLogger("cpuserve")
 
 
 def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0, progress: bool = True) -> torch.Tensor:
@@ -44,35 +48,41 @@ def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0,
     if tok.chat_template is not None:  # plain and chat starts in turn
         chats = [tok.encode_chat([{"role": "user", "content": text}]) for text in CHAT_STARTS]
         starts = [s for pair in zip(starts, chats * 3, strict=False) for s in pair]
-    # a KV cache for these sequences only (the engine's default takes most of the free memory)
-    longest = window + max(map(len, starts))
-    blocks = count * (-(-longest // BLOCK_SIZE) + 1)
+    # a context for a start and a window, within the model's; a KV cache for MAX_SEQS of them only
+    # (the engine's default takes most of the free memory)
+    context = min(window + max(map(len, starts)), load_spec(src).max_position_embeddings)
+    seqs = min(count, MAX_SEQS)
     llm = LLM(
         str(src),
         dtype="float32",
         quantize_lm_head="none",
-        max_num_seqs=count,
-        max_model_len=longest,
-        num_kv_blocks=blocks,
+        max_num_seqs=seqs,
+        max_model_len=context,
+        num_kv_blocks=seqs * (-(-context // BLOCK_SIZE) + 1),
         block_size=BLOCK_SIZE,
     )
     stream: list[int] = []
     for rnd in range(MAX_ROUNDS):
-        missing = count * window - len(stream)
-        if missing <= 0:
+        if len(stream) >= count * window:
             break
-        n = min(count, -(-missing // window))
-        prompts = [starts[(rnd * count + i) % len(starts)] for i in range(n)]
-        seeds = [seed * 1_000_003 + rnd * count + i for i in range(n)]
-        params = [SamplingParams(max_tokens=window, temperature=1.0, seed=s) for s in seeds]
+        # every round samples `count` sequences: one that ends early leaves its share to the next
+        prompts = [starts[(rnd * count + i) % len(starts)] for i in range(count)]
+        seeds = [seed * 1_000_003 + rnd * count + i for i in range(count)]
+        params = [
+            SamplingParams(max_tokens=min(window, context - len(p)), temperature=1.0, seed=s)
+            for p, s in zip(prompts, seeds, strict=True)
+        ]
         if progress:
-            what = f"{n} x {window} tokens from the model itself (round {rnd + 1})"
+            what = f"{count} sequences of up to {window} tokens from the model itself (round {rnd + 1})"
             print(f"[calibration] sampling {what}", file=sys.stderr)
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
             stream += prompt + list(out.outputs[0].token_ids)
     del llm
     gc.collect()  # the sampling engine's weights and KV cache go before calibration loads the model again
-    count = min(count, len(stream) // window)
-    if count == 0:
+    made = min(count, len(stream) // window)
+    if made == 0:
         raise ConfigError(f"the model wrote {len(stream)} tokens in {MAX_ROUNDS} rounds: not one window of {window}")
+    if made < count:
+        log.warning("calibration: the model wrote %d windows of %d tokens, not %d", made, window, count)
+    count = made
     return torch.tensor(stream[: count * window]).view(count, window)
