@@ -71,8 +71,8 @@ if [ "$ARCH" = "$HOST_ARCH" ]; then
     "$PY" -m pip wheel --quiet . --no-build-isolation --no-deps -w "$CTX/wheels" 2>&1 | grep -v "is ignored" >&2 || true
 else
     TORCH=$("$PY" -c "from cpuserve.kernels.cross_build import AARCH64_TORCH; print(AARCH64_TORCH)")
-    torch_wheel=$("$PY" -c "from pathlib import Path; from cpuserve.kernels.cross_build import \
-download_aarch64_torch as d; print(d(Path('$CTX/wheels')))") || { echo "[image] no aarch64 torch wheel" >&2; exit 1; }
+    torch_wheel=$("$PY" -c "import sys; from pathlib import Path; from cpuserve.kernels.cross_build import \
+download_aarch64_torch as d; print(d(Path(sys.argv[1])))" "$CTX/wheels") || { echo "[image] no aarch64 torch wheel" >&2; exit 1; }
     # the cross-compiled library is reused when this tree's sources were built for it already
     CPUSERVE_WHEEL_TORCH=$torch_wheel "$PY" -m pip wheel --quiet . --no-build-isolation --no-deps -w "$CTX/wheels" 2>&1 | grep -v "is ignored" >&2 || true
     # The image's packages installed here for aarch64 and byte-compiled (.pyc is the same on every

@@ -61,6 +61,18 @@ def test_quantize_without_a_source_quantizes_the_bundled_model(cache_dir, smol_d
     assert gen.returncode == 0 and "Paris" in gen.stdout, gen.stderr
 
 
+def test_calibration_flags_without_effect_are_refused(tmp_path):
+    """Round-to-nearest takes no calibration settings, and user texts no seed: refused, not ignored."""
+    out = str(tmp_path / "q")
+    proc = _run(["quantize", "--scheme", "w8a8", "--no-calibration", "--smoothquant", "0.5", "--no-gptq", out])
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "cpuserve: error: --smoothquant, --gptq/--no-gptq: no effect with --no-calibration (round-to-nearest)"
+    )
+    proc = _run(["quantize", "--scheme", "w8a8", "--calibration", out, "--calibration-seed", "3", out])
+    assert proc.returncode == 1 and "--calibration-seed: no effect with --calibration" in proc.stderr
+    assert not (tmp_path / "q").exists()
+
+
 def test_invalid_flags_are_user_errors(smol_dir):
     proc = _run(["generate", str(smol_dir), "--prompt", "hi", "--max-tokens", "0"])
     assert proc.returncode == 1 and proc.stderr.strip() == "cpuserve: error: --max-tokens must be at least 1, got 0"

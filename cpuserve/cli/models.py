@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cpuserve import defaults
 from cpuserve.cli.common import add_model_args
-from cpuserve.errors import CpuserveError
+from cpuserve.errors import ConfigError, CpuserveError
 
 log = logging.getLogger("cpuserve")
 
@@ -56,17 +56,15 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="plain round-to-nearest: no SmoothQuant, no GPTQ, no calibration text",
     )
-    qz.add_argument("--calibration-tokens", type=int, default=8192, help="at most this many calibration tokens")
-    qz.add_argument("--calibration-window", type=int, default=512, help="tokens per calibration window")
-    qz.add_argument("--calibration-seed", type=int, default=0, help="the seed of the self-written calibration text")
+    # None: not given (a calibration flag with --no-calibration is refused, not ignored)
+    qz.add_argument("--calibration-tokens", type=int, default=None, help="at most this many tokens (default 8192)")
+    qz.add_argument("--calibration-window", type=int, default=None, help="tokens per window (default 512)")
     qz.add_argument(
-        "--smoothquant",
-        type=float,
-        default=0.65,
-        help="SmoothQuant strength alpha when calibrating; 0: off",
+        "--calibration-seed", type=int, default=None, help="seed of the text the model writes itself (default 0)"
     )
+    qz.add_argument("--smoothquant", type=float, default=None, help="SmoothQuant alpha (default 0.65); 0: off")
     qz.add_argument(
-        "--gptq", action=argparse.BooleanOptionalAction, default=True, help="GPTQ error feedback when calibrating"
+        "--gptq", action=argparse.BooleanOptionalAction, default=None, help="GPTQ error feedback when calibrating"
     )
     qz.add_argument("--force", action="store_true")
     qz.add_argument("--cache-dir", default=None)
@@ -114,6 +112,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from cpuserve.offline.calibrate import CalibrationOptions
     from cpuserve.offline.quantize import quantize_checkpoint
 
+    given = {
+        "--calibration-tokens": args.calibration_tokens,
+        "--calibration-window": args.calibration_window,
+        "--calibration-seed": args.calibration_seed,
+        "--smoothquant": args.smoothquant,
+        "--gptq/--no-gptq": args.gptq,
+    }
+    moot = [flag for flag, value in given.items() if value is not None]
+    if args.no_calibration and moot:
+        raise ConfigError(f"{', '.join(moot)}: no effect with --no-calibration (round-to-nearest)")
+    if args.calibration and args.calibration_seed is not None:
+        raise ConfigError("--calibration-seed: no effect with --calibration (it seeds the text the model writes)")
+    # what is not given keeps quantize_checkpoint's and CalibrationOptions' defaults
+    options = {} if args.gptq is None else {"gptq": args.gptq}
+    if args.smoothquant is not None:
+        options["smoothquant_alpha"] = args.smoothquant if args.smoothquant > 0 else None
+    sizes = {"calibration_tokens": args.calibration_tokens, "calibration_window": args.calibration_window}
+    sizes["calibration_seed"] = args.calibration_seed
     src = resolve_hf_model(args.src, args.cache_dir)  # float weights: a GGUF (the bundled one) converted once
     ignore = None if args.ignore is None else [i for part in args.ignore for i in part.split(",") if i]
     out = quantize_checkpoint(
@@ -126,12 +142,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         args.force,
         scale_method=args.scale_method,
         calibration=None if args.no_calibration else [Path(p) for p in args.calibration or []] or "self",
-        calibration_options=CalibrationOptions(
-            smoothquant_alpha=None if args.smoothquant <= 0 else args.smoothquant, gptq=args.gptq
-        ),
-        calibration_tokens=args.calibration_tokens,
-        calibration_window=args.calibration_window,
-        calibration_seed=args.calibration_seed,
+        calibration_options=CalibrationOptions(**options),
+        **{k: v for k, v in sizes.items() if v is not None},
     )
     log.info("wrote %s", out)
     return 0

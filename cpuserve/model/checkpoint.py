@@ -243,12 +243,18 @@ class ShardWriter:
         (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
+def refuse_existing(out: Path, force: bool) -> None:
+    """An output directory is replaced only with --force (said before any long work, and again when
+    the writing starts)."""
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+
+
 @contextmanager
 def atomic_directory(out: Path, force: bool) -> Iterator[Path]:
     """A hidden sibling to write into, renamed to `out` only when the block completes: a
     directory named `out` is always complete, whatever interrupts the writing."""
-    if out.exists() and not force:
-        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    refuse_existing(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from cpuserve.errors import CheckpointError, ConfigError
-from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory
+from cpuserve.errors import ConfigError
+from cpuserve.model.checkpoint import SafetensorsCheckpoint, ShardWriter, atomic_directory, refuse_existing
 from cpuserve.model.config import load_spec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.model.prefused import split_prefused
@@ -99,8 +99,7 @@ def quantize_checkpoint(
     replace plain round-to-nearest."""
     if scheme not in SCHEMES:
         raise ConfigError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
-    if out.exists() and not force:  # before minutes of calibration, not after
-        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    refuse_existing(out, force)  # before minutes of calibration, not after
     bits = SCHEMES[scheme]
     if bits == 4:
         group_size = 128 if group_size is None else group_size

@@ -30,13 +30,13 @@ CHAT_STARTS = (
 )
 MAX_ROUNDS = 8  # sequences that stop early at an end token are made up in later rounds
 MAX_SEQS = 16  # sampled together (the rest queue): bounds the sampling engine's KV cache
-BLOCK_SIZE = 16
 log = logging.getLogger("cpuserve")
 
 
 def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0, progress: bool = True) -> torch.Tensor:
     """Token windows [tokens // window, window] cut from samples of the model at SRC (float32,
     temperature 1, each sequence seeded), prompts included, sequences joined end to end."""
+    from cpuserve.engine.core import EngineConfig
     from cpuserve.engine.llm import LLM
     from cpuserve.engine.sampling_params import SamplingParams
 
@@ -51,32 +51,37 @@ def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0,
     # a context for a start and a window, within the model's; a KV cache for MAX_SEQS of them only
     # (the engine's default takes most of the free memory)
     context = min(window + max(map(len, starts)), load_spec(src).max_position_embeddings)
-    seqs = min(count, MAX_SEQS)
+    seqs, block = min(count, MAX_SEQS), EngineConfig.block_size
     llm = LLM(
         str(src),
         dtype="float32",
         quantize_lm_head="none",
         max_num_seqs=seqs,
         max_model_len=context,
-        num_kv_blocks=seqs * (-(-context // BLOCK_SIZE) + 1),
-        block_size=BLOCK_SIZE,
+        num_kv_blocks=seqs * (-(-context // block) + 1),
     )
     stream: list[int] = []
+    sampled = 0  # sequences so far: each one's start and seed follow from its number
+    per_sequence = window  # tokens a sequence adds, as seen so far (early ends make it less)
     for rnd in range(MAX_ROUNDS):
-        if len(stream) >= count * window:
+        missing = count * window - len(stream)
+        if missing <= 0:
             break
-        # every round samples `count` sequences: one that ends early leaves its share to the next
-        prompts = [starts[(rnd * count + i) % len(starts)] for i in range(count)]
-        seeds = [seed * 1_000_003 + rnd * count + i for i in range(count)]
+        n = -(-missing // per_sequence)
+        numbers = range(sampled, sampled + n)
+        prompts = [starts[i % len(starts)] for i in numbers]
         params = [
-            SamplingParams(max_tokens=min(window, context - len(p)), temperature=1.0, seed=s)
-            for p, s in zip(prompts, seeds, strict=True)
+            SamplingParams(max_tokens=min(window, context - len(p)), temperature=1.0, seed=seed * 1_000_003 + i)
+            for p, i in zip(prompts, numbers, strict=True)
         ]
         if progress:
-            what = f"{count} sequences of up to {window} tokens from the model itself (round {rnd + 1})"
+            what = f"{n} sequences of up to {window} tokens from the model itself (round {rnd + 1})"
             print(f"[calibration] sampling {what}", file=sys.stderr)
+        before = len(stream)
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
             stream += prompt + list(out.outputs[0].token_ids)
+        sampled += n
+        per_sequence = max(1, (len(stream) - before) // n)
     del llm
     gc.collect()  # the sampling engine's weights and KV cache go before calibration loads the model again
     made = min(count, len(stream) // window)
@@ -84,5 +89,4 @@ def self_calibration_windows(src: Path, tokens: int, window: int, seed: int = 0,
         raise ConfigError(f"the model wrote {len(stream)} tokens in {MAX_ROUNDS} rounds: not one window of {window}")
     if made < count:
         log.warning("calibration: the model wrote %d windows of %d tokens, not %d", made, window, count)
-    count = made
-    return torch.tensor(stream[: count * window]).view(count, window)
+    return torch.tensor(stream[: made * window]).view(made, window)
