@@ -16,7 +16,7 @@ from cpuserve.quant.rtn import quantize_weight
 X86 = ["avx512_vnni", "avx_vnni", "avx2", "generic"]
 ARM = ["neon_i8mm", "neon_dotprod", "neon", "generic"]
 FLOAT_OPS = {"rms_norm", "add_rms_norm", "rope", "silu_mul", "decode_attention"}
-LINEAR_OPS = {"w8a8_linear", "w4a8_linear", "quantize_rows"}
+LINEAR_OPS = {"w8a8_linear", "w4a8_linear", "quantize_rows", "float_linear"}
 
 
 @pytest.fixture
@@ -61,6 +61,7 @@ def _run_every_op(kernels) -> None:
     kernels.w8a8_linear(x, kernels.pack_int8(q8, variant), s8.float().view(-1), None, variant)
     q4, s4 = quantize_weight(torch.randn(48, 256, generator=gen), WeightQuant(4, 64, False))
     kernels.w4a8_linear(x, kernels.pack_int4(q4, variant), kernels.pack_scales(s4.float(), variant), None, variant)
+    kernels.float_linear(x, kernels.pack_float(torch.randn(48, 256, generator=gen)), 48, None, variant)
 
 
 @pytest.mark.parametrize("isa", X86 + ARM[:-1], indirect=True)
@@ -104,3 +105,22 @@ def test_a_native_decode_step_runs_as_the_selected_variant(kernels, isa, w4a8_mo
     assert {"w4a8_linear", "quantize_rows", "decode_attention", "rms_norm", "add_rms_norm", "rope", "silu_mul"} <= set(
         counts[isa]
     ), counts
+
+
+@pytest.mark.parametrize("isa", X86 + ARM[:-1], indirect=True)
+def test_a_float_models_decode_step_runs_its_linears_as_the_selected_variant(kernels, isa, smol_dir, monkeypatch):
+    """Unquantized (bf16 checkpoint, fp32 compute): every linear of the step and the head on float
+    panels of the selected variant, stored as bf16 (exact: the checkpoint's values)."""
+    from cpuserve.model.loader import load_model
+
+    monkeypatch.delenv("CPUSERVE_NATIVE_DECODE", raising=False)
+    model = load_model(smol_dir, "float32")
+    assert model.lm_head.packed.dtype == torch.bfloat16 and model.lm_head.weight.is_meta
+    cache = model.new_cache(1, 32)
+    logits = model(torch.arange(100, 108).view(1, 8), cache)[:, -1]
+    kernels.reset_dispatch_counts()
+    model(logits.argmax(-1, keepdim=True), cache)
+    counts = kernels.dispatch_counts()
+    assert set(counts) == {isa}, counts
+    layers = model.spec.num_layers
+    assert counts[isa]["float_linear"] == 4 * layers + 1, counts  # qkv, o, gate_up, down per layer; the head

@@ -226,3 +226,56 @@ def test_a_variant_is_one_table_row_equal_to_its_name(kernels):
     assert {v} == {"generic"} and v.twin == v and v != None  # noqa: E711
     with pytest.raises(RuntimeError, match="no variant 'sve2_i8mm'"):
         kernels.variant("sve2_i8mm")
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_float_linear_equals_a_double_matmul_within_the_rounding_bound(kernels, wdtype, xdtype):
+    """Unquantized linears on float panels (weights widened in registers, fp32 sums), every variant
+    run here, M across the register blocks (6 / 8 rows) and the 48-row blocks, N off the 16-column
+    panels: within (K + 2) fp32 unit roundoffs of sum |x w| of a float64 matmul of the same values
+    (the worst case of any summation order), plus the bias add's and the output's rounding."""
+    gen = torch.Generator().manual_seed(7)
+    for n, k in [(1, 3), (37, 576), (130, 1536)]:
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(wdtype)
+        bias = torch.randn(n, generator=gen).to(xdtype)
+        packed = kernels.pack_float(w)
+        assert packed.dtype == wdtype and tuple(packed.shape) == ((n + 15) // 16, k, 16)
+        for m in [1, 2, 5, 6, 7, 13, 49, 100]:
+            x = torch.randn(m, k, generator=gen).to(xdtype)
+            exact = x.double() @ w.double().T + bias.double()
+            sums = x.double().abs() @ w.double().abs().T
+            budget = (k + 2) * 2.0**-24 * sums + 2.0**-23 * (exact.abs() + sums)  # + the bias add's rounding
+            if xdtype != torch.float32:
+                budget = budget + exact.abs() * 2.0**-8  # the result rounded to bf16
+            for variant in _runnable(kernels):
+                out = kernels.float_linear(x, packed, n, bias, variant)
+                assert out.dtype == xdtype and out.shape == (m, n)
+                err = (out.double() - exact).abs()
+                assert (err <= budget).all(), (variant, n, k, m, (err - budget).max().item())
+
+
+def test_float_linear_refuses_a_weight_packed_for_another_shape(kernels):
+    packed = kernels.pack_float(torch.randn(40, 64))
+    variant = _runnable(kernels)[-1]
+    with pytest.raises(RuntimeError, match="as pack_float gives it"):
+        kernels.float_linear(torch.randn(2, 64), packed, 50, None, variant)
+    with pytest.raises(RuntimeError, match="as pack_float gives it"):
+        kernels.float_linear(torch.randn(2, 65), packed, 40, None, variant)
+
+
+def test_a_float_checkpoint_loaded_in_float32_keeps_its_bf16_bytes(smol_dir):
+    """--dtype auto on a CPU without native bf16 computes in fp32; the bf16 checkpoint's linears are
+    packed as bf16 (every value exact), and the logits equal torch's fp32 forward within fp32 rounding."""
+    from cpuserve.model.loader import load_model
+
+    native_model = load_model(smol_dir, "float32")
+    torch_model = load_model(smol_dir, "float32", pack_float=False)
+    layer = native_model.model.layers[0].mlp.gate_up_proj
+    assert layer.packed.dtype == torch.bfloat16 and layer.weight.is_meta
+    assert torch_model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 1345, 30]])
+    a = native_model(ids, native_model.new_cache(1, 16))[0]
+    b = torch_model(ids, torch_model.new_cache(1, 16))[0]
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert (a - b).abs().max() < 2e-3 * b.abs().max(), (a - b).abs().max()

@@ -9,6 +9,7 @@ for the chosen kernel as soon as the layer is complete (one layer's unpacked cop
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -112,11 +113,15 @@ def load_model(
     progress: bool = False,
     quantize_lm_head: str | None = None,
     fuse: bool = True,
+    pack_float: bool | None = None,
 ) -> CausalLM:
     """Load config and weights (a directory, or a ModelSource already read at start); raise
     CheckpointError naming the tensor on any mismatch. With fuse, q/k/v and gate/up become one
     linear each where their methods agree; tools that need the checkpoint's modules one by one
-    (calibration, per-layer tests) pass fuse=False."""
+    (calibration, per-layer tests) pass fuse=False. With pack_float (and native kernels), unquantized
+    linears run on the native float kernel and their weights are packed for it; tools that edit
+    weights (calibration) pass pack_float=False to keep them as torch tensors. Unset, it is on unless
+    CPUSERVE_NATIVE_FLOAT=0 (torch's matmul kept, for A/B measurements)."""
     src = ModelSource.of(model)
     model_dir, spec, qc = src.model_dir, src.spec, src.quant_config
     torch_dtype = resolve_dtype(dtype, spec)
@@ -143,7 +148,10 @@ def load_model(
                 tensors[f"{prefix}.bias"] = (n,)
             shards[name].append((prefix, tensors))
     linear_tensors = {t: s for parts in shards.values() for _, ts in parts for t, s in ts.items()}
-    kernel = select_kernel() if qc is not None or quantize_lm_head else None
+    if pack_float is None:
+        pack_float = os.environ.get("CPUSERVE_NATIVE_FLOAT", "1") != "0"
+    kernel = select_kernel() if qc is not None or quantize_lm_head or pack_float else None
+    dense_kernel = kernel if pack_float else None
 
     state: dict[str, torch.Tensor] = {}
     with src.checkpoint as ckpt:
@@ -175,7 +183,7 @@ def load_model(
                 if layer.bias is not None:
                     bias = f"{prefix}.bias"
                     layer.load_bias(i, fetch_float(ckpt, bias, tensors[bias]))
-            layer.method.process_weights_after_loading(layer, kernel)  # packed now, once
+            layer.method.process_weights_after_loading(layer, kernel if layer.quant else dense_kernel)  # packed once
             bar.update()
         bar.close()
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -191,6 +199,13 @@ def load_model(
     elif quantize_lm_head:
         model.lm_head = _quantized_lm_head(model.lm_head, quantize_lm_head, torch_dtype, kernel)
         linears["lm_head"] = model.lm_head
+    elif spec.tie_word_embeddings and dense_kernel is not None:  # the head's own panels; the embedding stays
+        model.lm_head.method.process_weights_after_loading(model.lm_head, dense_kernel)
+        linears["lm_head"] = model.lm_head
+    dense = [m for m in linears.values() if m.quant is None]
+    if dense:
+        kinds = sorted({m.method.storage(m) for m in dense})
+        log.info("float linears: %s (%d layers)", "; ".join(kinds), len(dense))
     quantized = [m for m in linears.values() if m.quant is not None]
     if quantized:
         on_kernel = sum(m.kernel is not None for m in quantized)

@@ -200,6 +200,7 @@ def _calibrate(
         windows = self_calibration_windows(src, tokens, window, seed, progress)
     else:
         windows = calibration_windows(Tokenizer(src), texts, tokens, window)
-    model = load_model(src, "float32", progress=progress, fuse=False)  # smoothing works per projection
+    # smoothing works per projection, on the weights as torch tensors
+    model = load_model(src, "float32", progress=progress, fuse=False, pack_float=False)
     storage = getattr(torch, spec.torch_dtype, torch.bfloat16)
     return calibrate_and_quantize(model, windows, targets, quantizer, opts, storage, progress)

@@ -96,9 +96,20 @@ def _real(layer: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> 
     return t
 
 
+def exact_storage_dtype(w: torch.Tensor) -> torch.dtype:
+    """The narrowest float type that holds every value of w exactly: a bf16 or fp16 checkpoint loaded
+    in float32 (`--dtype auto` on a CPU without native 16-bit dot products) is stored as it came."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if w.dtype == dtype or (w.dtype == torch.float32 and torch.equal(w.to(dtype).float(), w)):
+            return dtype
+    return w.dtype
+
+
 @dataclass(frozen=True)
 class DenseMethod:
-    """An unquantized linear in the compute dtype: torch's matmul, or the float native decode path."""
+    """An unquantized linear. With the native kernels its weight becomes float panels of the
+    narrowest exact type (kernels/csrc/float_panels.h: widened in registers, fp32 sums) and the float
+    tensor is let go; without them, torch's matmul in the compute dtype."""
 
     dtype: torch.dtype
     quant = None
@@ -119,13 +130,35 @@ class DenseMethod:
         layer.weight.data[rows] = t.to(self.dtype)
 
     def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
-        """Nothing to pack: float weights are used as they are."""
+        """Packs into float panels when a kernel was chosen; the layer's weight attribute is then a
+        meta tensor (a tied head's embedding stays with the embedding)."""
+        layer.kernel = kernel
+        if kernel is None:
+            return
+        w = layer.weight.data
+        layer.packed = kernel.kernels.pack_float(w.to(exact_storage_dtype(w)))
+        layer.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None:
+            return F.linear(x, layer.weight, layer.bias)
+        y = kernel.kernels.float_linear(
+            x.reshape(-1, x.shape[-1]), layer.packed, layer.out_features, layer.bias, kernel.variant
+        )
+        return y.view(*x.shape[:-1], layer.out_features)
 
     def native_linear(self, layer: Any, kernels: Any) -> Any:
-        return kernels.NativeLinear(0, layer.weight, torch.empty(0), layer.bias, None)
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None:
+            return kernels.NativeLinear(0, layer.weight, torch.empty(0), layer.bias, None)
+        return kernels.NativeLinear(3, layer.packed, torch.empty(0), layer.bias, kernel.variant, n=layer.out_features)
+
+    def storage(self, layer: Any) -> str:
+        """What holds the weight, for the start-up log."""
+        if getattr(layer, "kernel", None) is None:
+            return f"torch {str(layer.weight.dtype).removeprefix('torch.')}"
+        return f"native {layer.kernel.variant} float panels, {str(layer.packed.dtype).removeprefix('torch.')}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@
 namespace {
 
 // A linear as its quant method holds it after loading (quant/methods.py): kind 0 float (torch's linear, no
-// variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout) of the variant it was packed for.
+// variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout) of the variant it was packed for,
+// 3 float panels (pack_float's layout, n output columns).
 // offsets: the per-group additive terms of a GGUF format with a minimum (w = s * q + offset), or none.
 struct Linear {
   int64_t kind;
@@ -24,6 +25,7 @@ struct Linear {
   const Variant* variant;
   c10::optional<torch::Tensor> offsets;
   bool act_groups;  // activations quantized per group (GGUF's schemes)
+  int64_t n;        // output columns (float panels: the padded weight does not say)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
@@ -31,6 +33,8 @@ struct Linear {
         return torch::linear(x, weight, bias);
       case 1:
         return w8a8_linear(x, weight, scales, bias, *variant, offsets, act_groups);
+      case 3:
+        return float_linear(x, weight, n, bias, *variant);
       default:
         return w4a8_linear(x, weight, scales, bias, *variant, offsets, act_groups);
     }
@@ -68,12 +72,13 @@ void register_decoder_layers(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "NativeLinear")
       .def(py::init([](int64_t kind, torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> bias,
-                       const Variant* variant, c10::optional<torch::Tensor> offsets, bool act_groups) {
-             TORCH_CHECK(kind == 0 || variant != nullptr, "NativeLinear: a quantized linear needs its variant");
-             return Linear{kind, weight, scales, bias, variant, offsets, act_groups};
+                       const Variant* variant, c10::optional<torch::Tensor> offsets, bool act_groups, int64_t n) {
+             TORCH_CHECK(kind == 0 || variant != nullptr, "NativeLinear: a packed linear needs its variant");
+             TORCH_CHECK(kind != 3 || n > 0, "NativeLinear: float panels need their output columns");
+             return Linear{kind, weight, scales, bias, variant, offsets, act_groups, n};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
-           py::arg("offsets") = py::none(), py::arg("act_groups") = false);
+           py::arg("offsets") = py::none(), py::arg("act_groups") = false, py::arg("n") = 0);
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
       .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
                        torch::Tensor post_norm, double eps, double residual_scale, int64_t num_heads,

@@ -7,7 +7,10 @@
 // Budgets: integer sums exact; W8A8 bit-identical to the twin and to generic (one float epilogue);
 // W4A8 bit-identical to the variant's own twin (every variant says w4_exact); a twin of another
 // layout against generic within 4 float ulps of the output's scale times the number of groups
-// (each layout's twin sums groups in its own float order).
+// (each layout's twin sums groups in its own float order). Float linears (fp32, bf16 and fp16
+// weights; fp32, bf16 and fp16 activations): the variant and the twin each within (K + 2) fp32
+// unit roundoffs of sum |x w| of a double-precision sum over the row-major weights (the worst case
+// of any order of K rounded adds, fused or not), so a misplaced weight, row or column fails.
 //
 // usage: kernel_check [VARIANT]   exit 0 when every check passes
 
@@ -16,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "float_panels.h"
 #include "linear_driver.h"
 #include "linear_rows.h"
 #include "panel_layout.h"
@@ -242,6 +246,69 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
   }
 }
 
+template <typename E>
+E narrow_to(float f);
+template <>
+float narrow_to<float>(float f) { return f; }
+template <>
+cpk::Bf16 narrow_to<cpk::Bf16>(float f) {  // truncation: any bf16 value will do
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return cpk::Bf16{uint16_t(bits >> 16)};
+}
+template <>
+cpk::F16 narrow_to<cpk::F16>(float f) {  // |f| < 1: a normal or zero half, mantissa truncated
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t sign = (bits >> 16) & 0x8000, exponent = (bits >> 23) & 0xFF;
+  if (exponent < 113) return cpk::F16{uint16_t(sign)};
+  return cpk::F16{uint16_t(sign | ((exponent - 112) << 10) | ((bits >> 13) & 0x3FF))};
+}
+
+const char* dtype_name(cpk::DType t) { return t == cpk::DType::F32 ? "fp32" : t == cpk::DType::Bf16 ? "bf16" : "fp16"; }
+
+// x [M, K] of type A, w [N, K] of type E: the variant's float linear and its twin's, both through the
+// driver on float panels, against a double sum over the row-major weights.
+template <typename A, typename E>
+void check_float(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, cpk::DType xt, cpk::DType wt) {
+  std::vector<A> x(m * k);
+  std::vector<E> w(n * k);
+  for (auto& e : x) e = narrow_to<A>(rng.uniform());
+  for (auto& e : w) e = narrow_to<E>(rng.uniform());
+  std::vector<E> panels(cpk::float_panel_elements(n, k));
+  for (int64_t p = 0; p < cpk::panel_count(n); ++p) cpk::pack_float_panel(w.data(), n, k, p, panels.data());
+  std::vector<float> out(m * n), twin(m * n);
+  const cpk::LinearInput in{x.data(), xt, m, k};
+  cpk::float_linear(v, kSplit, in, panels.data(), wt, n, out.data());
+  cpk::float_linear(*v.twin, kSplit, in, panels.data(), wt, n, twin.data());
+  char what[64];
+  std::snprintf(what, sizeof what, "float linear, %s x, %s w", dtype_name(xt), dtype_name(wt));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      double ref = 0, magnitude = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const double prod = double(cpk::to_float(x[r * k + j])) * double(cpk::to_float(w[c * k + j]));
+        ref += prod;
+        magnitude += std::fabs(prod);
+      }
+      const double budget = double(k + 2) * 5.9604645e-8 * magnitude;
+      checks += 2;
+      if (std::fabs(out[r * n + c] - ref) > budget) fail(what, v.name, m, n, k, 0, out[r * n + c], ref);
+      if (std::fabs(twin[r * n + c] - ref) > budget) fail(what, v.twin->name, m, n, k, 0, twin[r * n + c], ref);
+    }
+}
+
+void check_floats(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k) {
+  using cpk::DType;
+  check_float<float, float>(v, rng, m, n, k, DType::F32, DType::F32);
+  check_float<float, cpk::Bf16>(v, rng, m, n, k, DType::F32, DType::Bf16);
+  check_float<float, cpk::F16>(v, rng, m, n, k, DType::F32, DType::F16);
+  if (m % 4 == 1) {  // 16-bit activations (widened by the driver) on a sample of shapes
+    check_float<cpk::Bf16, cpk::Bf16>(v, rng, m, n, k, DType::Bf16, DType::Bf16);
+    check_float<cpk::F16, float>(v, rng, m, n, k, DType::F16, DType::F32);
+  }
+}
+
 const char* int4_name(cpk::Int4Layout l) {
   return l == cpk::Int4Layout::TwosComplementRows ? "two's-complement" : "offset";
 }
@@ -283,9 +350,13 @@ int main(int argc, char** argv) {
             check_shape(*v, rng, m, n, k, group);
             if (m <= 3 || m == 5 || m == 17) check_grouped(*v, rng, m, n, k, group);  // decode, blocks, tails
           }
+    for (int64_t m : {1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 50, 97})
+      for (int64_t n : {1, 7, 16, 33, 70})
+        for (int64_t k : {1, 3, 64, 577})
+          if (m <= 17 || (n == 33 && k == 64)) check_floats(*v, rng, m, n, k);
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
                 "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets and per-group "
-                "activations at M 1, 2, 3, 5, 17)%s\n",
+                "activations at M 1, 2, 3, 5, 17; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name,
                 v == &best ? " [selected]" : "");

@@ -131,6 +131,29 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
   over_outputs(par, is_panels(v.int4), n, v.w4a8, args);
 }
 
+void float_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, DType wtype, int64_t n,
+                  float* out) {
+  count(v, kFloatLinear);
+  const float* x = static_cast<const float*>(in.x);
+  if (in.dtype != DType::F32) {
+    thread_local std::vector<float> buffer;  // per calling thread, reused
+    std::vector<float>& wide = buffer;       // the caller's, not each pool thread's own
+    wide.resize(in.m * in.k);
+    par.for_range(0, in.m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t at = r * in.k;
+        if (in.dtype == DType::Bf16)
+          for (int64_t i = 0; i < in.k; ++i) wide[at + i] = to_float(static_cast<const Bf16*>(in.x)[at + i]);
+        else
+          for (int64_t i = 0; i < in.k; ++i) wide[at + i] = to_float(static_cast<const F16*>(in.x)[at + i]);
+      }
+    });
+    x = wide.data();
+  }
+  const FloatArgs args{x, in.m, in.k, w, wtype, n, out};
+  par.for_range(0, panel_count(n), 1, [&](int64_t begin, int64_t end) { v.float_linear(args, begin, end); });
+}
+
 void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs& a) {
   count(v, kDecodeAttention);
   v.decode_attention(a, par);

@@ -28,6 +28,10 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                  int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
 // act_groups: activations quantized per group of the weight's (one int8 scale per token and group,
 // as llama.cpp's Q8 activation blocks) instead of per token; only with groups > 1.
+// Unquantized: w float panels [panels, K, 16] of wtype (float_panels.h), x widened to fp32 once.
+// out [M, N] fp32.
+void float_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, DType wtype, int64_t n,
+                  float* out);
 void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs& a);
 
 }  // namespace cpk

@@ -21,6 +21,8 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
                           c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
+torch::Tensor float_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                           const Variant& variant);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, double scale, torch::Tensor weight,
                                         double eps, const Variant& variant);

@@ -6,6 +6,7 @@
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 
+#include "float_panels.h"
 #include "linear_driver.h"
 #include "ops.h"
 #include "panel_layout.h"
@@ -108,7 +109,39 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return finish(out, bias, x.scalar_type());
 }
 
+// x [M, K] (fp32, bf16 or fp16), packed as pack_float gives it ([panels, K, 16] fp32, bf16 or fp16,
+// the same for every variant), n output columns: out [M, N] in x's dtype, fp32 sums.
+torch::Tensor float_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                           const Variant& v) {
+  auto xc = x.contiguous();
+  const int64_t k = xc.size(1);
+  TORCH_CHECK(xc.dim() == 2 && packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == cpk::panel_count(n) &&
+                  packed.size(1) == k && packed.size(2) == cpk::kPanel,
+              "float_linear: the weight must be as pack_float gives it for [", n, ", ", k, "]");
+  auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
+  cpk::float_linear(v, torch_parallel(), input_of(xc), packed.data_ptr(), float_dtype(packed, "float_linear weight"),
+                    n, out.data_ptr<float>());
+  return finish(out, bias, x.scalar_type());
+}
+
 namespace {
+
+// A float weight [N, K] -> [panels, K, 16] float panels of its own dtype (float_panels.h).
+torch::Tensor pack_float(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_float: the weight must be [N, K]");
+  auto src = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  float_dtype(src, "pack_float");
+  auto out = torch::empty({cpk::panel_count(n), k, cpk::kPanel}, src.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "pack_float", [&] {
+    const scalar_t* s = src.data_ptr<scalar_t>();
+    scalar_t* d = out.data_ptr<scalar_t>();
+    at::parallel_for(0, cpk::panel_count(n), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) cpk::pack_float_panel(s, n, k, p, d);
+    });
+  });
+  return out;
+}
 
 // int8 [N, K] -> the variant's W8A8 weight: the same int8 (rows), int8 panels (SignedPanels) or
 // uint8 w + 128 panels (OffsetPanels), [N, quad_k(K)].
@@ -232,6 +265,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("w4a8_linear", &w4a8_linear, py::call_guard<py::gil_scoped_release>(), "W4A8 group-wise linear",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
           py::arg("offsets") = py::none(), py::arg("act_groups") = false);
+  mod.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(),
+          "unquantized linear on float panels (fp32 sums, weights widened in registers)", py::arg("x"),
+          py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("variant"));
+  mod.def("pack_float", &pack_float, "a float weight [N, K] as float panels [panels, K, 16] of its dtype");
   mod.def("pack_int8", &pack_int8, "the variant's W8A8 weight layout (int8 rows, int8 or uint8 + 128 panels)");
   mod.def("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); },
           "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "float_types.h"
 #include "parallel.h"
 
 namespace cpk {
@@ -40,6 +41,17 @@ struct LinearArgs {
   bool sa_groups = false;
 };
 
+// One unquantized matmul: x [M, K] fp32, w float panels [panels, K, 16] of wtype (float_panels.h),
+// out [M, N] fp32.
+struct FloatArgs {
+  const float* x;
+  int64_t m, k;
+  const void* w;
+  DType wtype;
+  int64_t n;
+  float* out;
+};
+
 struct AttentionArgs;  // attention.h
 
 // Output columns [begin, end) (row layouts) or panels [begin, end) (panel layouts) of a linear.
@@ -47,6 +59,8 @@ using LinearKernel = void (*)(const LinearArgs&, int64_t begin, int64_t end);
 // One token: scale, int8 values and per-group sums (group 0: none), bit-identical to the twin.
 using QuantizeRow = void (*)(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
 using DecodeAttention = void (*)(const AttentionArgs&, const Parallel&);
+// Float panels [begin, end) of an unquantized linear.
+using FloatKernel = void (*)(const FloatArgs&, int64_t begin, int64_t end);
 
 struct Variant {
   const char* name;
@@ -59,14 +73,15 @@ struct Variant {
   DecodeAttention decode_attention;
   const Variant* twin;  // the scalar twin of its layouts (itself for a twin)
   bool w4_exact;        // W4A8 bit-identical to the twin (else within kernel_check's budget)
+  FloatKernel float_linear;  // unquantized linears (float_panels.h; the twin: float_panels_twin)
 };
 
 // The ops counted per variant: one relaxed atomic increment per call, so a test can show which
 // row served every native op.
-enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kOpCount };
+enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kFloatLinear, kOpCount };
 inline const char* op_name(int op) {
   static const char* names[kOpCount] = {"w8a8_linear", "w4a8_linear", "quantize_rows",  "decode_attention",
-                                        "rms_norm",    "add_rms_norm", "rope",          "silu_mul"};
+                                        "rms_norm",    "add_rms_norm", "rope",          "silu_mul",     "float_linear"};
   return names[op];
 }
 

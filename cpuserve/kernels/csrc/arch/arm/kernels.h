@@ -12,5 +12,7 @@ void w8a8_neon_dotprod(const LinearArgs& a, int64_t c0, int64_t c1);
 void w4a8_neon_dotprod(const LinearArgs& a, int64_t c0, int64_t c1);
 void w8a8_neon_i8mm(const LinearArgs& a, int64_t c0, int64_t c1);
 void w4a8_neon_i8mm(const LinearArgs& a, int64_t c0, int64_t c1);
+// float_neon.cpp: the float panel kernel on q registers (every Armv8 variant's).
+void float_linear_neon(const FloatArgs& a, int64_t p0, int64_t p1);
 
 }  // namespace cpk

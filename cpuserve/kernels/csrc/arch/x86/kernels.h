@@ -11,6 +11,8 @@ void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
 void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
 void quantize_row_avx2(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
 void decode_attention_avx2(const AttentionArgs& a, const Parallel& par);
+// float_avx2.cpp: the float panel kernel on ymm (FMA, F16C widening), also avx_vnni's.
+void float_linear_avx2(const FloatArgs& a, int64_t p0, int64_t p1);
 
 // avx_vnni.cpp: AVX-VNNI (vpdpbusd on ymm), the VNNI panel bytes; AVX2's quantizer and attention.
 void w8a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
@@ -21,5 +23,7 @@ void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void quantize_row_avx512_vnni(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
 void decode_attention_avx512_vnni(const AttentionArgs& a, const Parallel& par);
+// float_avx512.cpp: the float panel kernel on zmm.
+void float_linear_avx512(const FloatArgs& a, int64_t p0, int64_t p1);
 
 }  // namespace cpk
