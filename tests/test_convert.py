@@ -77,8 +77,11 @@ def test_tied_gguf_gives_tied_config(tmp_path):
     out = convert_gguf(path, tmp_path / "hf", progress=False)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
-    model = load_model(out, "float32")
+    model = load_model(out, "float32", pack_float=False)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    packed = load_model(out, "float32")  # the head's own float panels, of the embedding's values
+    x = torch.randn(3, 64)
+    assert torch.allclose(packed.lm_head(x), x @ packed.model.embed_tokens.weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_converted_smollm2_matches_transformers_reading_the_gguf(our_smol):
