@@ -87,3 +87,9 @@ def test_a_kv_cache_dtype_the_cache_would_not_hold_is_refused(smol_dir):
     proc = _run(["serve", str(smol_dir), "--dtype", "float32", "--kv-cache-dtype", "bfloat16", "--port", "0"])
     assert proc.returncode == 1
     assert "--kv-cache-dtype bfloat16: the KV cache holds the model's dtype, float32 here" in proc.stderr
+    proc = _run(["serve", str(smol_dir), "--kv-cache-dtype", "fp4", "--port", "0"])
+    assert proc.returncode == 1
+    assert proc.stderr.strip().endswith(
+        "--kv-cache-dtype fp4: one of auto (the model's dtype), bfloat16, int8 "
+        "(also spelled fp8, fp8_e4m3, fp8_e5m2: int8 rows with per-row scales)"
+    )

@@ -1,6 +1,7 @@
 """The native decode step (all layers in one call) against the Python layer loop running the same
 native ops: bit-identical logits in bf16 and fp32, float and quantized weights, on the contiguous
-cache and through the engine's paged cache (where steps mixing prefill and decode stay in Python)."""
+cache and through the engine's paged cache, float or int8 (where steps mixing prefill and decode
+stay in Python)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def test_native_decode_is_bit_identical_to_the_layer_loop(checkpoints, monkeypat
     assert torch.equal(native, python)
 
 
-def test_engine_steps_are_the_same_with_and_without_native_decode(smol_dir, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "int8"])  # int8: the native step quantizes rows as the Python path does
+def test_engine_steps_are_the_same_with_and_without_native_decode(smol_dir, monkeypatch, kv):
     model = load_model(smol_dir, "float32")
     tokenizer = Tokenizer(smol_dir)
     prompts = {f"r{i}": p for i, p in enumerate(["The capital of France is", "def add(a, b):", "1, 2, 3,"])}
@@ -75,7 +77,7 @@ def test_engine_steps_are_the_same_with_and_without_native_decode(smol_dir, monk
     for on in (True, False):
         calls = _use_native_decode(model, monkeypatch, on)
         # A small token budget staggers the prefills, so steps mix prefill chunks and decodes.
-        config = EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=8)
+        config = EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_dtype=kv)
         engine = LLMEngine(model, tokenizer, config, GenerationDefaults.load(smol_dir))
         done = run_to_completion(engine, prompts, params)
         outputs[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in done]

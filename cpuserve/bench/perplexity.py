@@ -36,6 +36,32 @@ def cpuserve_nll(model_dir: Path, windows: list[list[int]], dtype: str) -> tuple
     return nll, count
 
 
+@torch.inference_mode()
+def engine_nll(model_dir: Path, windows: list[list[int]], dtype: str, kv_cache_dtype: str) -> tuple[float, int]:
+    """The same sum through the serving engine: each window a prompt whose tokens' logprobs come from
+    attention over the paged KV cache (quantized when kv_cache_dtype asks), as a served request sees it."""
+    from cpuserve.engine.llm import run_to_completion
+    from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
+    from cpuserve.engine.sampling_params import SamplingParams
+    from cpuserve.tokenizer import GenerationDefaults
+
+    seqs, block = 4, 16
+    longest = max(len(w) for w in windows)
+    config = EngineConfig(
+        max_num_seqs=seqs,
+        num_kv_blocks=seqs * (-(-(longest + 1) // block) + 1),
+        block_size=block,
+        max_model_len=longest + 1,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    engine = LLMEngine(load_model(model_dir, dtype), Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    done = run_to_completion(engine, {f"w{i}": w for i, w in enumerate(windows)}, params)
+    nll = -sum(entry.logprob for out in done for entry in out.prompt_logprobs[1:])
+    return nll, sum(len(w) - 1 for w in windows)
+
+
 def llamacpp_nll(python: str, gguf_path: Path, windows: list[list[int]], threads: int) -> tuple[float, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(windows, f)
@@ -57,13 +83,17 @@ def run_perplexity(
     dtype: str,
     llamacpp_python: str | None,
     threads: int,
+    kv_cache_dtypes: list[str] | None = None,
 ) -> str:
+    """One table, the first row the baseline. kv_cache_dtypes: evaluate every model through the
+    engine once per KV cache dtype (else directly, with no cache)."""
     tokenizer = Tokenizer(next(iter(models.values())))
     windows = token_windows(tokenizer, text_path.read_text(), ctx)
     rows = []
     for label, path in models.items():
-        nll, n = cpuserve_nll(path, windows, dtype)
-        rows.append((f"cpuserve {label}", math.exp(nll / n), n))
+        for kv in kv_cache_dtypes or [None]:
+            nll, n = cpuserve_nll(path, windows, dtype) if kv is None else engine_nll(path, windows, dtype, kv)
+            rows.append((f"cpuserve {label}" + (f", KV cache {kv}" if kv else ""), math.exp(nll / n), n))
     for label, path in ggufs.items():
         if llamacpp_python is None:
             break

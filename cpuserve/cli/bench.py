@@ -46,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bp.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     bp.add_argument("--ctx", type=int, default=512)
     bp.add_argument("--dtype", default="float32")
+    bp.add_argument(
+        "--kv-cache-dtype",
+        action="append",
+        help="through the engine's paged KV cache in this dtype (auto, int8, ...); repeat to compare",
+    )
     bp.set_defaults(func=cmd_bench_perplexity)
     bg = bench_sub.add_parser("export-gguf", help="an unquantized HF llama directory as a llama.cpp GGUF")
     bg.add_argument("model", nargs="?", default=None)
@@ -238,6 +243,7 @@ def cmd_bench_perplexity(args: argparse.Namespace) -> int:
             args.dtype,
             args.llamacpp_python,
             torch.get_num_threads(),
+            args.kv_cache_dtype,
         )
     )
     return 0

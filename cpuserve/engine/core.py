@@ -18,6 +18,7 @@ import torch
 
 from cpuserve import defaults
 from cpuserve.engine.block_manager import BlockManager
+from cpuserve.engine.kv_int8 import is_int8
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.requests import EngineCoreOutput, EngineCoreRequest, SequenceDelta
 from cpuserve.engine.sampling_params import InvalidRequest
@@ -38,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: sized by the platform memory plan
     long_prefill_token_threshold: int = 0  # vLLM's: at most this many prompt tokens per request and step
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; int8 (or vLLM's fp8 names): engine/kv_int8.py
     # vLLM's --seed: requests without a seed of their own draw theirs from a generator seeded with
     # this, so a run is reproducible (the same requests in the same order give the same outputs)
     # while two unseeded requests still differ. None: from the OS.
@@ -57,7 +59,9 @@ class EngineCore:
             eos_ids,
             config.long_prefill_token_threshold,
         )
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, eos_ids)
+        self.runner = ModelRunner(
+            model, config.num_kv_blocks, config.block_size, eos_ids, kv_int8=is_int8(config.kv_cache_dtype)
+        )
         self.requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._seeds = random.Random(config.seed) if config.seed is not None else random.SystemRandom()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cpuserve.engine.core import EngineConfig, EngineCore
 from cpuserve.engine.input_processor import InputProcessor
+from cpuserve.engine.kv_int8 import is_int8, row_bytes
 from cpuserve.engine.output_processor import RequestState
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.engine.pooling import PoolingConfig
@@ -166,6 +167,11 @@ class LLMEngine:
             overrides = read_overrides(os.environ)
         source = ModelSource.open(model_dir)
         spec, _, facts = model_facts(source, dtype)
+        if is_int8(config.kv_cache_dtype):
+            facts["kv_bytes_per_token"] = 2 * spec.num_layers * spec.num_kv_heads * row_bytes(spec.head_dim, None)
+            facts["kv_cache_dtype"] = "int8 (one fp32 scale per token and KV head)"
+        else:
+            facts["kv_cache_dtype"] = facts["compute_dtype"]
         if config.num_kv_blocks is None:
             machine = machine or detect_machine()
             max_len = config.max_model_len or spec.max_position_embeddings
@@ -174,10 +180,11 @@ class LLMEngine:
             )
             config.num_kv_blocks = max(1, mem.kv_tokens // config.block_size)
             log.info(
-                "KV cache: %.2f GiB, %d blocks of %d tokens (%s)",
+                "KV cache: %.2f GiB, %d blocks of %d tokens, %s (%s)",
                 config.num_kv_blocks * config.block_size * facts["kv_bytes_per_token"] / 1024**3,
                 config.num_kv_blocks,
                 config.block_size,
+                facts["kv_cache_dtype"],
                 mem.reason,
             )
         head = lm_head_setting(quantize_lm_head, overrides.quantize_lm_head)

@@ -28,13 +28,18 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, eos_ids: frozenset[int] = frozenset()
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_ids: frozenset[int] = frozenset(),
+        kv_int8: bool = False,
     ) -> None:
         spec = model.spec
         self.model = model
         self.eos_ids = set(eos_ids)
         self.cache = PagedKVCache(
-            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, model.dtype
+            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, model.dtype, int8=kv_int8
         )
         self.gqa = spec.num_heads != spec.num_kv_heads
         self._masks: MaskComputer | None = None  # made when the first constrained row samples

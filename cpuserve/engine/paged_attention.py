@@ -5,7 +5,9 @@ position p is in slot block_table[p // block_size] * block_size + p % block_size
 batched into one grouped attention call (ops.decode_attention_paged: natively, each sequence reads
 its own slots straight from the cache; in the torch reference, gathered, padded to the longest
 context and masked; each KV head read once for the query heads that share it); each prefill chunk is one SDPA call with
-a causal mask offset by what is already cached (GQA passed as enable_gqa).
+a causal mask offset by what is already cached (GQA passed as enable_gqa). An int8 cache
+(engine/kv_int8.py) is written quantized and read back as int8 times each row's scale: natively
+inside the decode attention, dequantized for a prefill chunk's SDPA.
 
 A sliding-window layer sees only each query's last `window` positions: its decodes get only those
 slots (so the native attention never reads an older key), its prefill chunks only the cached keys
@@ -20,25 +22,59 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cpuserve.engine.kv_int8 import dequantize_kv, quantize_kv
 from cpuserve.model import ops
 from cpuserve.model.native_decode import DecodeCache
 
 
 class PagedKVCache:
+    """Per-layer K/V slot arrays in the model's dtype or, with int8=True, as int8 rows with one fp32
+    scale per (slot, KV head) (engine/kv_int8.py)."""
+
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        int8: bool = False,
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        stored = torch.int8 if int8 else dtype
         # Uninitialised on purpose: pages are committed only when first written, so a large cache
         # costs memory only as it fills. Nothing reads a slot before it is written (padding below
         # points at written slots).
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.empty(shape, dtype=stored) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=stored) for _ in range(num_layers)]
+        self.k_scale = [torch.empty(shape[:2]) for _ in range(num_layers)] if int8 else None
+        self.v_scale = [torch.empty(shape[:2]) for _ in range(num_layers)] if int8 else None
         # [1, S, Hkv, D] views, as the native decode step addresses caches (batch 0, slot s).
         self.k_by_position = [k.unsqueeze(0) for k in self.k]
         self.v_by_position = [v.unsqueeze(0) for v in self.v]
         self.num_blocks = num_blocks
         self.block_size = block_size
+
+    @property
+    def int8(self) -> bool:
+        return self.k_scale is not None
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New tokens' K/V [T, Hkv, D] into their slots (quantized for an int8 cache)."""
+        if self.k_scale is None or self.v_scale is None:
+            self.k[layer][slots] = k
+            self.v[layer][slots] = v
+            return
+        self.k[layer][slots], self.k_scale[layer][slots] = quantize_kv(k)
+        self.v[layer][slots], self.v_scale[layer][slots] = quantize_kv(v)
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these slots [..., Hkv, D] in `dtype` (dequantized from an int8 cache)."""
+        k, v = self.k[layer][slots], self.v[layer][slots]
+        if self.k_scale is None or self.v_scale is None:
+            return k, v
+        return dequantize_kv(k, self.k_scale[layer][slots], dtype), dequantize_kv(v, self.v_scale[layer][slots], dtype)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of token positions start..end-1 of a sequence."""
@@ -95,13 +131,16 @@ class PagedAttention:
         meta = self.meta
         if meta.prefills or meta.decode_rows is None:
             return None
+        cache = self.cache
         return DecodeCache(
-            k=self.cache.k_by_position,
-            v=self.cache.v_by_position,
+            k=cache.k_by_position,
+            v=cache.v_by_position,
             write_batch=torch.zeros_like(meta.slot_mapping),
             write_pos=meta.slot_mapping,
             lengths=meta.decode_lengths,
             slots=meta.decode_slots,
+            k_scale=None if cache.k_scale is None else [s.unsqueeze(0) for s in cache.k_scale],
+            v_scale=None if cache.v_scale is None else [s.unsqueeze(0) for s in cache.v_scale],
         )
 
     def __call__(
@@ -113,22 +152,23 @@ class PagedAttention:
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        meta = self.meta
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[meta.slot_mapping] = k
-        vc[meta.slot_mapping] = v
+        meta, cache = self.meta, self.cache
+        cache.write(layer, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             slots, lengths = self._decode_context(window)
-            out[meta.decode_rows] = ops.decode_attention_paged(q[meta.decode_rows], kc, vc, slots, lengths, scale)
+            int8 = cache.k_scale is not None and cache.v_scale is not None
+            scales = (cache.k_scale[layer], cache.v_scale[layer]) if int8 else (None, None)
+            out[meta.decode_rows] = ops.decode_attention_paged(
+                q[meta.decode_rows], cache.k[layer], cache.v[layer], slots, lengths, scale, *scales
+            )
         for chunk in meta.prefills:
             t, cached = chunk.rows.stop - chunk.rows.start, chunk.num_cached
             # The first cached position the chunk's first query still sees (a window hides older ones).
             first = 0 if window is None else max(0, cached - window + 1)
             context = chunk.context_slots[first:]
             query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]
-            keys = kc[context].transpose(0, 1).unsqueeze(0)
-            values = vc[context].transpose(0, 1).unsqueeze(0)
+            keys, values = (x.transpose(0, 1).unsqueeze(0) for x in cache.read(layer, context, q.dtype))
             mask = ops.causal_window_mask(t, cached - first, window)
             o = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, scale=scale, enable_gqa=self.gqa

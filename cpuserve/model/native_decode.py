@@ -33,6 +33,8 @@ class DecodeCache:
     write_pos: torch.Tensor  # [T]
     lengths: torch.Tensor  # [T] context length of each token's sequence, itself included
     slots: torch.Tensor | None  # [T, L] paged slots (batch 0), or None: batch t, positions 0..L-1
+    k_scale: list[torch.Tensor] | None = None  # per layer [B, S, Hkv] row scales of an int8 cache
+    v_scale: list[torch.Tensor] | None = None
 
 
 def enabled() -> bool:
@@ -117,6 +119,8 @@ def decode(
         sin,
         cache.k,
         cache.v,
+        cache.k_scale or [],
+        cache.v_scale or [],
         cache.write_batch,
         cache.write_pos,
         cache.lengths,

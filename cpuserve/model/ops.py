@@ -252,16 +252,27 @@ def decode_attention_paged(
     slots: torch.Tensor,
     lengths: torch.Tensor,
     scale: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; caches [S, Hkv, D]; slots [N, L] each sequence's context slots, padded;
     lengths [N] its real context lengths (the native twin reads only those, the reference masks);
-    scale None: D ** -0.5."""
-    module = _use_native(q, key_cache)
+    scale None: D ** -0.5. An int8 cache comes with its row scales [S, Hkv] (key_scale, value_scale):
+    each row is read as int8 * scale in fp32."""
+    int8 = key_scale is not None and value_scale is not None
+    module = _use_native(q) if int8 else _use_native(q, key_cache)
     if module is None:
         n, length = slots.shape
         valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
-        keys = key_cache[slots.view(-1)].view(n, length, *key_cache.shape[1:]).transpose(1, 2)
-        values = value_cache[slots.view(-1)].view(n, length, *value_cache.shape[1:]).transpose(1, 2)
+        flat = slots.view(-1)
+        keys, values = key_cache[flat], value_cache[flat]
+        if int8:
+            keys, values = (
+                keys.float() * key_scale[flat].unsqueeze(-1),
+                values.float() * value_scale[flat].unsqueeze(-1),
+            )
+        keys = keys.view(n, length, *key_cache.shape[1:]).transpose(1, 2)
+        values = values.view(n, length, *value_cache.shape[1:]).transpose(1, 2)
         return decode_attention_reference(q, keys, values, valid, scale)
     d = q.shape[-1]
     return module.decode_attention(
@@ -272,4 +283,6 @@ def decode_attention_paged(
         lengths,
         d**-0.5 if scale is None else scale,
         _variant(),
+        None if key_scale is None else key_scale.unsqueeze(0),
+        None if value_scale is None else value_scale.unsqueeze(0),
     )

@@ -131,8 +131,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse flag values the engine cannot honour (one line each); log the accepted no-ops."""
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         raise CpuserveError("--tensor-parallel-size and --pipeline-parallel-size must be 1: cpuserve runs one engine")
-    if args.kv_cache_dtype not in ("auto", "bfloat16", "bf16"):
-        raise CpuserveError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model dtype) is supported")
+    from cpuserve.engine.kv_int8 import is_int8
+
+    is_int8(args.kv_cache_dtype)  # refuses a name it does not know
     if args.device not in (None, "cpu", "auto"):
         raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
     if args.shutdown_timeout < 0:
@@ -224,6 +225,7 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
     def load() -> LLMEngine:

@@ -6,6 +6,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/types.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -66,6 +68,36 @@ void store_kv(const torch::Tensor& cache, const torch::Tensor& x, const int64_t*
   }
 }
 
+// x [T, Hkv, D] into an int8 cache [B, S, Hkv, D] at [batch[t], pos[t]], each (token, head) row as
+// round(x / s) with s = its largest magnitude / 127 (1 for a zero row), s into scales [B, S, Hkv]: the
+// same fp32 arithmetic as the Python path (engine/kv_int8.py), so both write the same bytes.
+void store_kv_int8(const torch::Tensor& cache, const torch::Tensor& scales, const torch::Tensor& x,
+                   const int64_t* batch, const int64_t* pos) {
+  TORCH_CHECK(cache.scalar_type() == torch::kInt8 && cache.stride(3) == 1 && scales.scalar_type() == torch::kFloat32,
+              "decode_layers: an int8 KV cache needs fp32 scales");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(cache.size(2) == heads && cache.size(3) == d && scales.dim() == 3 &&
+                  scales.sizes() == cache.sizes().slice(0, 3),
+              "decode_layers: KV cache or scales shape mismatch");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  const float* src = xf.data_ptr<float>();
+  int8_t* dst = cache.data_ptr<int8_t>();
+  float* sc = scales.data_ptr<float>();
+  for (int64_t j = 0; j < t; ++j) {
+    TORCH_CHECK(batch[j] >= 0 && batch[j] < cache.size(0) && pos[j] >= 0 && pos[j] < cache.size(1),
+                "decode_layers: write position outside the cache");
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* row = src + (j * heads + h) * d;
+      float top = 0.f;
+      for (int64_t i = 0; i < d; ++i) top = std::max(top, std::fabs(row[i]));
+      const float s = top > 0.f ? top / 127.f : 1.f;
+      int8_t* out = dst + batch[j] * cache.stride(0) + pos[j] * cache.stride(1) + h * cache.stride(2);
+      for (int64_t i = 0; i < d; ++i) out[i] = int8_t(std::clamp(std::nearbyint(row[i] / s), -127.f, 127.f));
+      sc[batch[j] * scales.stride(0) + pos[j] * scales.stride(1) + h * scales.stride(2)] = s;
+    }
+  }
+}
+
 }  // namespace
 
 void register_decoder_layers(pybind11::module& mod) {
@@ -93,15 +125,20 @@ void register_decoder_layers(pybind11::module& mod) {
   // attention run as `variant` (the linears as the variant each was packed for).
   // k_caches / v_caches: per layer [B, S, Hkv, D] views of the cache; token t's K/V go to
   // [write_batch[t], write_pos[t]]; it attends to lengths[t] positions of batch t (slots: None) or of
-  // batch 0 at slots[t, :] (the paged cache).
+  // batch 0 at slots[t, :] (the paged cache). k_scales / v_scales: per layer [B, S, Hkv] row scales
+  // of an int8 cache, or empty for a cache in the model's dtype.
   mod.def(
       "decode_layers",
       [](const std::vector<std::shared_ptr<LayerPlan>>& plans, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
          const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+         const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
          torch::Tensor write_batch, torch::Tensor write_pos, torch::Tensor lengths,
          c10::optional<torch::Tensor> slots, torch::Tensor final_norm, double final_eps, const Variant& variant) {
         TORCH_CHECK(!plans.empty() && plans.size() == k_caches.size() && plans.size() == v_caches.size(),
                     "decode_layers: one plan and one cache per layer");
+        const bool int8 = !k_scales.empty();
+        TORCH_CHECK(!int8 || (k_scales.size() == plans.size() && v_scales.size() == plans.size()),
+                    "decode_layers: one k and one v scale tensor per layer for an int8 cache");
         TORCH_CHECK(h.dim() == 2, "decode_layers: h must be [T, H]");
         const int64_t t = h.size(0);
         auto wb = write_batch.to(torch::kLong).contiguous(), wp = write_pos.to(torch::kLong).contiguous();
@@ -120,9 +157,17 @@ void register_decoder_layers(pybind11::module& mod) {
           rope_(k, cos, sin, variant);
           const torch::Tensor& kc = k_caches[i];
           const torch::Tensor& vc = v_caches[i];
-          store_kv(kc, k, wbp, wpp);
-          store_kv(vc, v, wbp, wpp);
-          auto attn = decode_attention(q, kc, vc, slots, lengths, 1.0 / std::sqrt(double(p.head_dim)), variant);
+          c10::optional<torch::Tensor> ks, vs;
+          if (int8) {
+            ks = k_scales[i], vs = v_scales[i];
+            store_kv_int8(kc, *ks, k, wbp, wpp);
+            store_kv_int8(vc, *vs, v, wbp, wpp);
+          } else {
+            store_kv(kc, k, wbp, wpp);
+            store_kv(vc, v, wbp, wpp);
+          }
+          auto attn =
+              decode_attention(q, kc, vc, slots, lengths, 1.0 / std::sqrt(double(p.head_dim)), variant, ks, vs);
           auto o = p.o(attn.view({t, q_size}));
           auto mid = add_rms_norm(h, o, p.residual_scale, p.post_norm, p.eps, variant);
           auto gu = p.gate_up(mid[1]);

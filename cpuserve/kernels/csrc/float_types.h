@@ -43,4 +43,7 @@ inline float to_float(F16 x) {
 
 inline float to_float(float x) { return x; }
 
+// An int8 KV cache's value before its row's scale (attention.h).
+inline float to_float(int8_t x) { return float(x); }
+
 }  // namespace cpk

@@ -200,8 +200,10 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& vari
 // q [N, Hq, D]; k, v [B, S, Hkv, D] (D contiguous, any other strides). Sequence n reads positions
 // 0 .. lengths[n]-1: without slots, from batch n at those positions (the contiguous cache); with
 // slots [N, L] int64, from batch 0 at slots[n, l] (the paged cache). Returns [N, Hq, D] in q's dtype.
+// An int8 cache comes with k_scale, v_scale [B, S, Hkv] fp32: each row of D values times its scale.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
-                               torch::Tensor lengths, double scale, const Variant& variant) {
+                               torch::Tensor lengths, double scale, const Variant& variant,
+                               c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "decode_attention: q [N, Hq, D], k/v [B, S, Hkv, D]");
   TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(), "decode_attention: k and v must match");
   TORCH_CHECK(k.stride(3) == 1, "decode_attention: the head dimension must be contiguous");
@@ -231,7 +233,20 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   a.q = qf.data_ptr<float>();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
-  a.dtype = float_dtype(k, "decode_attention: cache");
+  const bool int8 = k.scalar_type() == torch::kInt8;
+  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(),
+              "decode_attention: an int8 cache needs its k and v scales, a float cache none");
+  if (int8) {
+    for (const auto* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == torch::kFloat32 && s->dim() == 3 && s->sizes() == k.sizes().slice(0, 3),
+                  "decode_attention: int8 cache scales must be fp32 [B, S, Hkv]");
+    TORCH_CHECK(k_scale->strides() == v_scale->strides(), "decode_attention: k and v scales must match");
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+    a.sb = k_scale->stride(0), a.ss = k_scale->stride(1), a.sh = k_scale->stride(2);
+  } else {
+    a.dtype = float_dtype(k, "decode_attention: cache");
+  }
   a.lengths = lp;
   a.n = n, a.hq = hq, a.hkv = hkv, a.d = d, a.kb = k.stride(0), a.ks = k.stride(1), a.kh = k.stride(2);
   a.longest = longest;
@@ -310,7 +325,10 @@ void register_layer_ops(pybind11::module& mod) {
   mod.def("rope_", &rope_, nogil(), "rotary embedding in place, rotate-half layout");
   mod.def("silu_mul", &silu_mul, nogil(), "silu(gate) * up");
   mod.def("decode_attention", &decode_attention, nogil(),
-          "one query per sequence over the contiguous or paged KV cache");
+          "one query per sequence over the contiguous or paged KV cache (int8 with its row scales, or float)",
+          pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("lengths"),
+          pybind11::arg("scale"), pybind11::arg("variant"), pybind11::arg("k_scale") = pybind11::none(),
+          pybind11::arg("v_scale") = pybind11::none());
   mod.def("token_logprobs", &token_logprobs, nogil(),
           "per row: chosen token's logprob, its rank, the top-k ids and logprobs {chosen_lp, rank, ids, lps}");
 }

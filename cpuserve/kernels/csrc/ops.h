@@ -29,7 +29,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, do
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const Variant& variant);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
-                               torch::Tensor lengths, double scale, const Variant& variant);
+                               torch::Tensor lengths, double scale, const Variant& variant,
+                               c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
 
 // torch's pinned OpenMP pool (at::parallel_for) as the kernels' Parallel: no second runtime.
 cpk::Parallel torch_parallel();

@@ -26,6 +26,15 @@ CPK_AVX512 inline __m512 load16(const Bf16* p) {
 CPK_AVX512 inline __m512 load16(const F16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+CPK_AVX512 inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 values of a cache row as the attention reads them: an int8 row times its scale, a float row as stored.
+template <typename T>
+CPK_AVX512 inline __m512 load16_scaled(const T* p, float scale) {
+  if constexpr (kInt8Cache<T>) return _mm512_mul_ps(load16(p), _mm512_set1_ps(scale));
+  return load16(p);
+}
 
 // Lane l of the result = the sum of v[l]'s 16 lanes.
 CPK_AVX512 inline __m512 sum16(__m512 (&v)[16]) {
@@ -75,7 +84,8 @@ CPK_AVX512 void attention_part_avx512(const AttentionArgs& a, int64_t seq, int64
   const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
   const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
   const float* qs = a.q + (seq * a.hq + head * group) * d;
-  auto row = [&](const T* p, int64_t l) { return p + base + (slot ? slot[l] : l) * a.ks; };
+  auto position = [&](int64_t l) { return slot ? slot[l] : l; };
+  auto row = [&](const T* p, int64_t l) { return p + base + position(l) * a.ks; };
   alignas(64) float partial[kMaxGroup][16][16];
   for (int64_t b0 = 0; b0 < count; b0 += 16) {
     const int64_t nb = std::min<int64_t>(16, count - b0);
@@ -85,8 +95,9 @@ CPK_AVX512 void attention_part_avx512(const AttentionArgs& a, int64_t seq, int64
         continue;
       }
       const T* key = row(kp, l0 + b0 + j);
+      const float ks = row_scale<T>(a.k_scale, a, seq, position(l0 + b0 + j), head);
       __m512 kv[kMaxHeadChunks];
-      for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(key + 16 * c);
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load16_scaled(key + 16 * c, ks);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qs + g * d;
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
@@ -122,7 +133,8 @@ CPK_AVX512 void attention_part_avx512(const AttentionArgs& a, int64_t seq, int64
     __m512 acc[kMaxGroup];
     for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t l = 0; l < count; ++l) {
-      const __m512 value = load16(row(vp, l0 + l) + 16 * c);
+      const __m512 value =
+          load16_scaled(row(vp, l0 + l) + 16 * c, row_scale<T>(a.v_scale, a, seq, position(l0 + l), head));
       for (int64_t g = 0; g < group; ++g)
         acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + l]), value, acc[g]);
     }
@@ -193,6 +205,7 @@ CPK_PORTABLE_ATTENTION(portable_avx512, __attribute__((target("avx512f"))))
 
 void decode_attention_avx512_vnni(const AttentionArgs& a, const Parallel& par) {
   if (!fits(a.d, a.hq / a.hkv)) return portable_avx512(a, par);
+  if (a.k_scale) return attention_avx512<int8_t>(a, par);
   if (a.dtype == DType::F32) return attention_avx512<float>(a, par);
   if (a.dtype == DType::Bf16) return attention_avx512<Bf16>(a, par);
   attention_avx512<F16>(a, par);
