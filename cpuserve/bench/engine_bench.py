@@ -1,5 +1,6 @@
 """`cpuserve bench engine`: aggregate decode throughput at several concurrencies, and the cost of
-logprobs=20, measured in one run (medians of repeats, interleaved so drift hits both sides)."""
+logprobs=20, measured in one run (medians of repeats, interleaved so drift hits both sides), for one
+or several KV cache dtypes side by side."""
 
 from __future__ import annotations
 
@@ -77,14 +78,26 @@ def run_engine_bench(
     }
 
 
-def render(model: str, dtype: str, threads: int, result: dict) -> str:
-    lines = [f"model {model}, {dtype}, {threads} threads", "", "| concurrency | aggregate decode tok/s |", "|---|---|"]
-    for c, v in result["decode_tok_s"].items():
-        lines.append(f"| {c} | {v:.1f} |")
-    lp = result["logprobs"]
-    lines += [
+def render(model: str, dtype: str, threads: int, results: dict[str, dict]) -> str:
+    """One column per KV cache dtype (results: dtype -> run_engine_bench's result), the first the baseline."""
+    kvs = list(results)
+    first = results[kvs[0]]["decode_tok_s"]
+    head = " | ".join(f"KV {kv} tok/s" for kv in kvs) + "".join(f" | {kv} / {kvs[0]}" for kv in kvs[1:])
+    lines = [
+        f"model {model}, {dtype}, {threads} threads",
         "",
-        f"logprobs=20 at concurrency {lp['concurrency']}: {lp['logprobs20_tok_s']:.1f} tok/s vs "
-        f"{lp['none_tok_s']:.1f} without, cost {lp['cost_pct']:.1f}%",
+        f"| concurrency | {head} |",
+        "|---|" + "---|" * (2 * len(kvs) - 1),
     ]
+    for c in first:
+        cells = [f"{results[kv]['decode_tok_s'][c]:.1f}" for kv in kvs]
+        cells += [f"{results[kv]['decode_tok_s'][c] / first[c]:.2f}x" for kv in kvs[1:]]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for kv in kvs:
+        lp = results[kv]["logprobs"]
+        lines.append(
+            f"KV {kv}: logprobs=20 at concurrency {lp['concurrency']}: {lp['logprobs20_tok_s']:.1f} tok/s vs "
+            f"{lp['none_tok_s']:.1f} without, cost {lp['cost_pct']:.1f}%"
+        )
     return "\n".join(lines)

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--prompt-words", type=int, default=32)
     be.add_argument("--repeats", type=int, default=3)
     be.add_argument("--max-model-len", type=int, default=1024)
+    be.add_argument(
+        "--kv-cache-dtype", default="auto", help="one or several, comma-separated (auto,int8): compared in one run"
+    )
     be.set_defaults(func=cmd_bench_engine)
     bs = bench_sub.add_parser("startup", help="seconds from `cpuserve serve` to the first answered request")
     bs.add_argument("model", nargs="?", default=None)
@@ -160,10 +163,14 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     except ValueError:
         raise CpuserveError(f"--concurrency {args.concurrency!r}: expected numbers like 1,4,8,16") from None
     model_dir = resolve_model(args.model, args.cache_dir)
-    config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=max(concurrencies))
-    engine = LLMEngine.from_model_dir(model_dir, config, args.dtype)
-    result = run_engine_bench(engine, concurrencies, args.new_tokens, args.prompt_words, args.repeats)
-    print(render(str(model_dir), str(engine.model.dtype).removeprefix("torch."), threads.count, result))
+    results, dtype = {}, ""
+    for kv in args.kv_cache_dtype.split(","):
+        config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=max(concurrencies), kv_cache_dtype=kv)
+        engine = LLMEngine.from_model_dir(model_dir, config, args.dtype)
+        results[kv] = run_engine_bench(engine, concurrencies, args.new_tokens, args.prompt_words, args.repeats)
+        dtype = str(engine.model.dtype).removeprefix("torch.")
+        del engine  # one cache at a time
+    print(render(str(model_dir), dtype, threads.count, results))
     return 0
 
 

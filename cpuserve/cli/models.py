@@ -57,7 +57,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         help="plain round-to-nearest: no SmoothQuant, no GPTQ, no calibration text",
     )
     # None: not given (a calibration flag with --no-calibration is refused, not ignored)
-    qz.add_argument("--calibration-tokens", type=int, default=None, help="at most this many tokens (default 8192)")
+    qz.add_argument("--calibration-tokens", type=int, default=None, help="at most this many tokens (default 16384)")
     qz.add_argument("--calibration-window", type=int, default=None, help="tokens per window (default 512)")
     qz.add_argument(
         "--calibration-seed", type=int, default=None, help="seed of the text the model writes itself (default 0)"

@@ -37,6 +37,10 @@ COPIED_FILES = (
 )
 SCHEMES = {"w4a8": 4, "w8a8": 8}
 
+# Self-calibrated W8A8 SmolLM2 (docs/benchmarks.md): 8192 sampled tokens +1.48% perplexity on one host
+# and +1.54% on another, 16384 tokens +1.27% (issue 18 asks for 1.5%), at about 1.7x the time.
+DEFAULT_CALIBRATION_TOKENS = 16384
+
 
 def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]:
     fmt = "pack-quantized" if quant.packed else "int-quantized"
@@ -90,7 +94,7 @@ def quantize_checkpoint(
     scale_method: str = "mse",
     calibration: list[Path] | Literal["self"] | None = None,
     calibration_options: CalibrationOptions | None = None,
-    calibration_tokens: int = 8192,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     calibration_window: int = 512,
     calibration_seed: int = 0,
 ) -> Path:
