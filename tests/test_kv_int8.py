@@ -5,18 +5,21 @@ against the same engine with a float cache (budgets measured on SmolLM2, stated 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cpuserve.engine.kv_int8 import dequantize_kv, is_int8, quantize_kv
+from cpuserve.engine.kv_int8 import dequantize_kv, quantize_kv
 from cpuserve.engine.llm import run_to_completion
 from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.errors import ConfigError
 from cpuserve.kernels import selected_variant
+from cpuserve.kv_cache_dtype import is_int8
 from cpuserve.model import ops
 from cpuserve.model.loader import load_model
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
@@ -48,11 +51,20 @@ def test_cache_dtype_names():
         is_int8("fp4")
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 2, 128), (4, 4, 48)])
-@pytest.mark.parametrize("path", ["avx512", "portable", "reference"])
-def test_paged_decode_attention_over_int8_rows_equals_sdpa(monkeypatch, hq, hkv, d, path):
+@pytest.mark.parametrize(
+    "hq,hkv,d,lengths",
+    [
+        (9, 3, 64, [37, 250, 1]),
+        (16, 2, 128, [37, 250, 1]),
+        (4, 4, 40, [37, 250, 1]),  # d not a multiple of 16: the portable loops on every path
+        (9, 3, 64, [300]),  # one sequence, 3 KV heads: the AVX-512 path splits its keys into parts
+    ],
+)
+@pytest.mark.parametrize("path", ["selected", "portable", "reference"])
+def test_paged_decode_attention_over_int8_rows_equals_sdpa(monkeypatch, hq, hkv, d, lengths, path):
     """SDPA in fp32 over the dequantized rows is the reference: the kernels read the same values, so
-    only summation order differs (fp32 budget). d=48 runs the portable loops on every path."""
+    only summation order differs (fp32 budget). "selected": the variant this CPU gets (AVX-512's
+    intrinsics where it has them); "portable": the template loops (CPUSERVE_ISA=generic)."""
     if path == "portable":
         monkeypatch.setenv("CPUSERVE_ISA", "generic")
     if path == "reference":
@@ -60,7 +72,7 @@ def test_paged_decode_attention_over_int8_rows_equals_sdpa(monkeypatch, hq, hkv,
     else:
         assert ops._native() is not None, "native kernels are not built: ./run setup builds them"
     gen = torch.Generator().manual_seed(hq + d)
-    n, capacity, lengths = 3, 320, [37, 250, 1]
+    n, capacity = len(lengths), 320
     q = torch.randn(n, hq, d, generator=gen)
     kc, ks = quantize_kv(torch.randn(capacity, hkv, d, generator=gen) * 3)
     vc, vs = quantize_kv(torch.randn(capacity, hkv, d, generator=gen))
@@ -79,6 +91,28 @@ def test_paged_decode_attention_over_int8_rows_equals_sdpa(monkeypatch, hq, hkv,
         assert (got[i] - want).abs().max() <= 4e-6, i
 
 
+@pytest.mark.parametrize("path", ["selected", "portable"])
+def test_contiguous_int8_cache_reads_each_batchs_own_scales(monkeypatch, path):
+    """The contiguous layout (no slots: batch b, positions 0..L-1) addresses scales by batch too."""
+    if path == "portable":
+        monkeypatch.setenv("CPUSERVE_ISA", "generic")
+    kernels = ops._native()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(3)
+    b, cap, hq, hkv, d, length = 2, 90, 8, 2, 64, 77
+    q = torch.randn(b, hq, d, generator=gen)
+    k, ks = quantize_kv(torch.randn(b, cap, hkv, d, generator=gen))
+    v, vs = quantize_kv(torch.randn(b, cap, hkv, d, generator=gen) * 5)
+    ks[:, length:], vs[:, length:] = float("nan"), float("nan")
+    lengths = torch.full((b,), length)
+    got = kernels.decode_attention(q, k, v, None, lengths, d**-0.5, ops._variant(), ks, vs)
+    for i in range(b):
+        kf = dequantize_kv(k[i, :length], ks[i, :length], torch.float32).transpose(0, 1)
+        vf = dequantize_kv(v[i, :length], vs[i, :length], torch.float32).transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[i][None, :, None], kf[None], vf[None], enable_gqa=True)[0, :, 0]
+        assert (got[i] - want).abs().max() <= 4e-6, i
+
+
 def test_an_int8_cache_needs_its_scales():
     kernels = ops._native()
     assert kernels is not None
@@ -86,9 +120,13 @@ def test_an_int8_cache_needs_its_scales():
     with pytest.raises(RuntimeError, match="an int8 cache needs its k and v scales"):
         kernels.decode_attention(q, k, k, None, torch.tensor([2]), 1.0, ops._variant())
     with pytest.raises(RuntimeError, match="scales must be fp32"):
-        kernels.decode_attention(
-            q, k, k, None, torch.tensor([2]), 1.0, ops._variant(), torch.ones(1, 4, 3), torch.ones(1, 4, 3)
-        )
+        scales = torch.ones(1, 4, 3)  # one short: [B, S, Hkv] is [1, 4, 2]
+        kernels.decode_attention(q, k, k, None, torch.tensor([2]), 1.0, ops._variant(), scales, scales)
+    f = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="a float cache none"):
+        kernels.decode_attention(q, f, f, None, torch.tensor([2]), 1.0, ops._variant(), torch.ones(1, 4, 2), None)
+    with pytest.raises(ValueError, match="needs both its key and its value scales"):
+        ops.decode_attention_paged(q, k[0], k[0], torch.tensor([[0, 1]]), torch.tensor([2]), None, torch.ones(4, 2))
 
 
 def _engine(model, smol_dir, kv: str, **config) -> LLMEngine:
@@ -117,11 +155,35 @@ def test_served_logprobs_with_an_int8_cache_stay_close_to_the_float_cache(smol_d
         assert runs["int8"][name].outputs[0].token_ids == runs["auto"][name].outputs[0].token_ids, name
 
 
-def test_an_int8_cache_holds_about_half_a_bf16_caches_bytes(smol_dir):
-    """The memory plan counts an int8 row as D bytes + a 4-byte scale: for SmolLM2 (D 64) 68 of 128."""
-    bf16 = LLMEngine.from_model_dir(smol_dir, EngineConfig(num_kv_blocks=8), "bfloat16")
-    int8 = LLMEngine.from_model_dir(smol_dir, EngineConfig(num_kv_blocks=8, kv_cache_dtype="fp8"), "bfloat16")
+def test_an_int8_cache_holds_about_twice_a_bf16_caches_tokens(smol_dir, monkeypatch):
+    """The memory plan counts an int8 row as D bytes + a 4-byte scale (SmolLM2, D 64: 68 of 128), so
+    the same VLLM_CPU_KVCACHE_SPACE gives it 128/68 as many blocks."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    bf16 = LLMEngine.from_model_dir(smol_dir, EngineConfig(max_model_len=2048), "bfloat16")
+    int8 = LLMEngine.from_model_dir(smol_dir, EngineConfig(max_model_len=2048, kv_cache_dtype="fp8"), "bfloat16")
     spec = bf16.model.spec
     assert bf16.facts["kv_bytes_per_token"] == 2 * spec.num_layers * spec.num_kv_heads * 64 * 2
     assert int8.facts["kv_bytes_per_token"] == 2 * spec.num_layers * spec.num_kv_heads * 68
-    assert int8.core.runner.cache.k[0].dtype == torch.int8
+    assert "for --kv-cache-dtype fp8" in int8.facts["kv_cache_dtype"]
+    blocks = [e.core.runner.cache.num_blocks for e in (bf16, int8)]
+    assert blocks[1] == pytest.approx(blocks[0] * 128 / 68, abs=1)
+    cache = int8.core.runner.cache
+    assert cache.k[0].dtype == torch.int8 and cache.k_scale is not None and len(cache.k_scale) == spec.num_layers
+
+
+def test_a_bf16_cache_for_a_float32_model_is_refused(smol_dir):
+    with pytest.raises(ConfigError, match="--kv-cache-dtype bf16: the KV cache holds the model's dtype, float32"):
+        _engine(load_model(smol_dir, "float32"), smol_dir, "bf16")
+
+
+def test_serve_checks_the_flag_without_importing_torch():
+    """serve validates flags before its thread plan, which must come before torch is imported."""
+    code = (
+        "import argparse, sys\n"
+        "from cpuserve.server.serve import add_serve_args, check_serve_args\n"
+        "p = argparse.ArgumentParser(); add_serve_args(p)\n"
+        "check_serve_args(p.parse_args(['--kv-cache-dtype', 'fp8']))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

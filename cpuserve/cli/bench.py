@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -162,14 +163,20 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         concurrencies = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         raise CpuserveError(f"--concurrency {args.concurrency!r}: expected numbers like 1,4,8,16") from None
+    from cpuserve.kv_cache_dtype import is_int8
+
+    kv_dtypes = [kv.strip() for kv in args.kv_cache_dtype.split(",")]
+    for kv in kv_dtypes:
+        is_int8(kv)  # every name checked before the first run
     model_dir = resolve_model(args.model, args.cache_dir)
     results, dtype = {}, ""
-    for kv in args.kv_cache_dtype.split(","):
+    for kv in kv_dtypes:
         config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=max(concurrencies), kv_cache_dtype=kv)
         engine = LLMEngine.from_model_dir(model_dir, config, args.dtype)
         results[kv] = run_engine_bench(engine, concurrencies, args.new_tokens, args.prompt_words, args.repeats)
         dtype = str(engine.model.dtype).removeprefix("torch.")
-        del engine  # one cache at a time
+        del engine
+        gc.collect()  # one model and cache at a time
     print(render(str(model_dir), dtype, threads.count, results))
     return 0
 

@@ -18,13 +18,13 @@ import torch
 
 from cpuserve import defaults
 from cpuserve.engine.block_manager import BlockManager
-from cpuserve.engine.kv_int8 import is_int8
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.requests import EngineCoreOutput, EngineCoreRequest, SequenceDelta
 from cpuserve.engine.sampling_params import InvalidRequest
 from cpuserve.engine.scheduler import Scheduler, SequenceUpdate
 from cpuserve.engine.sequence import Sequence
 from cpuserve.engine.stats import EngineStats
+from cpuserve.kv_cache_dtype import kv_cache_is_int8
 from cpuserve.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,11 @@ class EngineCore:
             config.long_prefill_token_threshold,
         )
         self.runner = ModelRunner(
-            model, config.num_kv_blocks, config.block_size, eos_ids, kv_int8=is_int8(config.kv_cache_dtype)
+            model,
+            config.num_kv_blocks,
+            config.block_size,
+            eos_ids,
+            kv_int8=kv_cache_is_int8(config.kv_cache_dtype, str(model.dtype).removeprefix("torch.")),
         )
         self.requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()

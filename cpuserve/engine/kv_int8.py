@@ -10,25 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cpuserve.errors import ConfigError
-
-# What --kv-cache-dtype names the int8 cache by: vLLM's fp8 spellings ask for an 8-bit cache, which
-# is this one here (int8 rows with their own scales; no fp8 arithmetic on these CPUs).
-INT8_NAMES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCALE_BYTES = 4
-
-
-def is_int8(kv_cache_dtype: str) -> bool:
-    """True for the int8 cache, False for "auto" (the model's dtype) or bfloat16; else a ConfigError
-    (a cache dtype is never silently replaced)."""
-    if kv_cache_dtype in INT8_NAMES:
-        return True
-    if kv_cache_dtype in ("auto", "bfloat16", "bf16"):
-        return False
-    raise ConfigError(
-        f"--kv-cache-dtype {kv_cache_dtype}: one of auto (the model's dtype), bfloat16, int8 "
-        f"(also spelled {', '.join(INT8_NAMES[1:])}: int8 rows with per-row scales)"
-    )
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +27,6 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * scale.unsqueeze(-1)).to(dtype)
 
 
-def row_bytes(head_dim: int, dtype_bytes: int | None) -> int:
-    """Bytes of one token's key (or value) row of one KV head; dtype_bytes None: the int8 cache."""
-    return head_dim + SCALE_BYTES if dtype_bytes is None else head_dim * dtype_bytes
+def int8_row_bytes(head_dim: int) -> int:
+    """Bytes of one token's key (or value) row of one KV head in the int8 cache."""
+    return head_dim + SCALE_BYTES

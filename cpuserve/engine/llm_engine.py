@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cpuserve.engine.core import EngineConfig, EngineCore
 from cpuserve.engine.input_processor import InputProcessor
-from cpuserve.engine.kv_int8 import is_int8, row_bytes
+from cpuserve.engine.kv_int8 import int8_row_bytes
 from cpuserve.engine.output_processor import RequestState
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.engine.pooling import PoolingConfig
@@ -17,6 +17,7 @@ from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.engine.stats import EngineStats
 from cpuserve.engine.structured import GrammarCompiler
 from cpuserve.errors import ConfigError
+from cpuserve.kv_cache_dtype import is_int8
 from cpuserve.model.decoder import CausalLM
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 
@@ -168,8 +169,9 @@ class LLMEngine:
         source = ModelSource.open(model_dir)
         spec, _, facts = model_facts(source, dtype)
         if is_int8(config.kv_cache_dtype):
-            facts["kv_bytes_per_token"] = 2 * spec.num_layers * spec.num_kv_heads * row_bytes(spec.head_dim, None)
-            facts["kv_cache_dtype"] = "int8 (one fp32 scale per token and KV head)"
+            facts["kv_bytes_per_token"] = 2 * spec.num_layers * spec.num_kv_heads * int8_row_bytes(spec.head_dim)
+            asked = "" if config.kv_cache_dtype == "int8" else f", for --kv-cache-dtype {config.kv_cache_dtype}"
+            facts["kv_cache_dtype"] = f"int8 (one fp32 scale per token and KV head{asked})"
         else:
             facts["kv_cache_dtype"] = facts["compute_dtype"]
         if config.num_kv_blocks is None:

@@ -48,11 +48,13 @@ class PagedKVCache:
         # points at written slots).
         self.k = [torch.empty(shape, dtype=stored) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=stored) for _ in range(num_layers)]
-        self.k_scale = [torch.empty(shape[:2]) for _ in range(num_layers)] if int8 else None
-        self.v_scale = [torch.empty(shape[:2]) for _ in range(num_layers)] if int8 else None
-        # [1, S, Hkv, D] views, as the native decode step addresses caches (batch 0, slot s).
+        self.k_scale = [torch.empty(shape[:2], dtype=torch.float32) for _ in range(num_layers)] if int8 else None
+        self.v_scale = [torch.empty(shape[:2], dtype=torch.float32) for _ in range(num_layers)] if int8 else None
+        # [1, S, Hkv, D] views (scales [1, S, Hkv]), as the native decode step addresses caches (batch 0, slot s).
         self.k_by_position = [k.unsqueeze(0) for k in self.k]
         self.v_by_position = [v.unsqueeze(0) for v in self.v]
+        self.k_scale_by_position = None if self.k_scale is None else [s.unsqueeze(0) for s in self.k_scale]
+        self.v_scale_by_position = None if self.v_scale is None else [s.unsqueeze(0) for s in self.v_scale]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -139,8 +141,8 @@ class PagedAttention:
             write_pos=meta.slot_mapping,
             lengths=meta.decode_lengths,
             slots=meta.decode_slots,
-            k_scale=None if cache.k_scale is None else [s.unsqueeze(0) for s in cache.k_scale],
-            v_scale=None if cache.v_scale is None else [s.unsqueeze(0) for s in cache.v_scale],
+            k_scale=cache.k_scale_by_position,
+            v_scale=cache.v_scale_by_position,
         )
 
     def __call__(

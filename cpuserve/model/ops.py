@@ -259,7 +259,9 @@ def decode_attention_paged(
     lengths [N] its real context lengths (the native twin reads only those, the reference masks);
     scale None: D ** -0.5. An int8 cache comes with its row scales [S, Hkv] (key_scale, value_scale):
     each row is read as int8 * scale in fp32."""
-    int8 = key_scale is not None and value_scale is not None
+    int8 = key_scale is not None
+    if int8 != (value_scale is not None):
+        raise ValueError("decode_attention_paged: an int8 cache needs both its key and its value scales")
     module = _use_native(q) if int8 else _use_native(q, key_cache)
     if module is None:
         n, length = slots.shape

@@ -17,6 +17,7 @@ from typing import Any
 
 from cpuserve import defaults
 from cpuserve.errors import CpuserveError
+from cpuserve.kv_cache_dtype import is_int8
 
 log = logging.getLogger("cpuserve")
 
@@ -108,7 +109,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype), bfloat16, or int8 (also fp8, fp8_e4m3, fp8_e5m2): int8 rows + per-row scales",
+    )
     p.add_argument(
         "--quantize-lm-head",
         default=None,
@@ -131,9 +136,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse flag values the engine cannot honour (one line each); log the accepted no-ops."""
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         raise CpuserveError("--tensor-parallel-size and --pipeline-parallel-size must be 1: cpuserve runs one engine")
-    from cpuserve.engine.kv_int8 import is_int8
-
-    is_int8(args.kv_cache_dtype)  # refuses a name it does not know
+    is_int8(args.kv_cache_dtype)  # refuses a name it does not know (bfloat16 vs the model: EngineCore)
     if args.device not in (None, "cpu", "auto"):
         raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
     if args.shutdown_timeout < 0:
@@ -230,14 +233,7 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
 
     def load() -> LLMEngine:
         model_dir = resolve_model(args.model, args.cache_dir)  # a GGUF's directory is made here, once
-        engine = LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
-        kv = str(engine.model.dtype).removeprefix("torch.")
-        if args.kv_cache_dtype in ("bfloat16", "bf16") and kv != "bfloat16":
-            raise CpuserveError(
-                f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache holds the model's dtype, {kv} here "
-                f"(--dtype {args.dtype}); use --kv-cache-dtype auto, or --dtype bfloat16"
-            )
-        return engine
+        return LLMEngine.from_model_dir(model_dir, config, args.dtype, machine, overrides, args.quantize_lm_head)
 
     # Loaded on the engine thread, which alone computes in parallel (AsyncEngine.load says why).
     async_engine = AsyncEngine.load(load, on_fatal=on_fatal)
