@@ -29,6 +29,7 @@ def build_report(
     max_model_len: int | None = None,
     max_num_seqs: int = defaults.MAX_NUM_SEQS,
     max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Everything doctor says, as data; `problems` lists what will not work (one line each)."""
     cpu, res = machine.cpu, machine.resources
@@ -70,7 +71,7 @@ def build_report(
     if model_dir is None:
         return report
     try:
-        spec, _, facts = model_facts(model_dir, dtype)
+        spec, _, facts = model_facts(model_dir, dtype, kv_cache_dtype)
     except CpuserveError as exc:
         problems.append(str(exc))
         return report
@@ -138,8 +139,8 @@ def render_text(report: dict[str, Any]) -> str:
             f"(margin {_gib(mem['margin'])})"
         )
         lines.append(
-            f"  KV cache     {mem['kv_tokens']} tokens at {mem['kv_bytes_per_token'] / 1024:.1f} KiB/token "
-            f"({mem['reason']}); longest context {mem['longest_context']}"
+            f"  KV cache     {mem['kv_tokens']} tokens at {mem['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
+            f"{report['model']['kv_cache_dtype']} ({mem['reason']}); longest context {mem['longest_context']}"
         )
     if "vllm_plugin" in report:
         lines.append("vllm plugin")

@@ -187,3 +187,19 @@ def test_serve_checks_the_flag_without_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_doctor_reports_the_int8_cache_and_its_capacity(smol_dir):
+    from cpuserve.doctor import build_report
+    from cpuserve.platform.machine import detect_machine
+
+    machine, env = detect_machine(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    auto, int8 = (build_report(machine, env, smol_dir, "bfloat16", kv_cache_dtype=kv) for kv in ("auto", "int8"))
+    assert auto["model"]["kv_cache_dtype"] == "bfloat16" and int8["model"]["kv_cache_dtype"].startswith("int8")
+    tokens = [r["decisions"]["memory"]["kv_tokens"] for r in (auto, int8)]
+    assert tokens[1] == pytest.approx(tokens[0] * 128 / 68, rel=0.01)
+    bad = build_report(machine, env, smol_dir, "bfloat16", kv_cache_dtype="fp4")
+    assert bad["problems"] == [
+        "--kv-cache-dtype fp4: one of auto (the model's dtype), bfloat16, int8 "
+        "(also spelled fp8, fp8_e4m3, fp8_e5m2: int8 rows with per-row scales)"
+    ]

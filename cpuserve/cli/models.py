@@ -21,6 +21,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     doc.add_argument("--max-model-len", type=int, default=None)
     doc.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
     doc.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
+    doc.add_argument("--kv-cache-dtype", default="auto", help="as serve's: auto, bfloat16, int8 (fp8)")
     doc.set_defaults(func=cmd_doctor)
 
 
@@ -101,6 +102,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     report["problems"][:0] = problems
     print(render_json(report) if args.json else render_text(report))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from cpuserve.engine.core import EngineConfig, EngineCore
 from cpuserve.engine.input_processor import InputProcessor
-from cpuserve.engine.kv_int8 import int8_row_bytes
 from cpuserve.engine.output_processor import RequestState
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.engine.pooling import PoolingConfig
@@ -17,7 +16,6 @@ from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
 from cpuserve.engine.stats import EngineStats
 from cpuserve.engine.structured import GrammarCompiler
 from cpuserve.errors import ConfigError
-from cpuserve.kv_cache_dtype import is_int8
 from cpuserve.model.decoder import CausalLM
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 
@@ -167,13 +165,7 @@ class LLMEngine:
 
             overrides = read_overrides(os.environ)
         source = ModelSource.open(model_dir)
-        spec, _, facts = model_facts(source, dtype)
-        if is_int8(config.kv_cache_dtype):
-            facts["kv_bytes_per_token"] = 2 * spec.num_layers * spec.num_kv_heads * int8_row_bytes(spec.head_dim)
-            asked = "" if config.kv_cache_dtype == "int8" else f", for --kv-cache-dtype {config.kv_cache_dtype}"
-            facts["kv_cache_dtype"] = f"int8 (one fp32 scale per token and KV head{asked})"
-        else:
-            facts["kv_cache_dtype"] = facts["compute_dtype"]
+        spec, _, facts = model_facts(source, dtype, config.kv_cache_dtype)
         if config.num_kv_blocks is None:
             machine = machine or detect_machine()
             max_len = config.max_model_len or spec.max_position_embeddings

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from cpuserve.engine.kv_int8 import int8_row_bytes
+from cpuserve.kv_cache_dtype import is_int8
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.loader import auto_dtype, resolve_dtype
 from cpuserve.model.source import ModelSource
@@ -22,8 +24,11 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 INT_BYTES = {"I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
 
-def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch.dtype, dict[str, Any]]:
-    """Spec, compute dtype and size facts, from config and safetensors headers (no weights read)."""
+def model_facts(
+    model: Path | ModelSource, dtype: str, kv_cache_dtype: str = "auto"
+) -> tuple[ModelSpec, torch.dtype, dict[str, Any]]:
+    """Spec, compute dtype and size facts, from config and safetensors headers (no weights read);
+    the KV bytes per token as `--kv-cache-dtype kv_cache_dtype` stores them."""
     source = ModelSource.of(model)
     model_dir, spec, qc = source.model_dir, source.spec, source.quant_config
     compute = resolve_dtype(dtype, spec)
@@ -65,7 +70,7 @@ def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch
         "parameters": params,
         "weights_bytes": weight_bytes,
         "weights_bytes_native": native_bytes,  # as the native kernels hold them (int4 as nibbles)
-        "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem,
+        **_kv_cache_facts(spec, kv_cache_dtype, elem, compute),
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {
             "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(qc, compute),
@@ -73,6 +78,20 @@ def model_facts(model: Path | ModelSource, dtype: str) -> tuple[ModelSpec, torch
         },
     }
     return spec, compute, facts
+
+
+def _kv_cache_facts(spec: ModelSpec, kv_cache_dtype: str, elem: int, compute: torch.dtype) -> dict[str, Any]:
+    """What one token's K and V rows cost in every layer, and what the cache holds them as."""
+    if not is_int8(kv_cache_dtype):
+        return {
+            "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem,
+            "kv_cache_dtype": str(compute).removeprefix("torch."),
+        }
+    asked = "" if kv_cache_dtype == "int8" else f", for --kv-cache-dtype {kv_cache_dtype}"
+    return {
+        "kv_bytes_per_token": 2 * spec.num_layers * spec.num_kv_heads * int8_row_bytes(spec.head_dim),
+        "kv_cache_dtype": f"int8 (one fp32 scale per token and KV head{asked})",
+    }
 
 
 def plan_model_memory(
