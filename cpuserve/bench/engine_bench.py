@@ -4,9 +4,11 @@ or several KV cache dtypes side by side."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from cpuserve.engine.llm_engine import LLMEngine
 from cpuserve.engine.sampling_params import SamplingParams
@@ -76,6 +78,34 @@ def run_engine_bench(
             "cost_pct": 100.0 * (plain_m - lp_m) / plain_m if plain_m else 0.0,
         },
     }
+
+
+def run_per_kv_cache_dtype(
+    model_dir: Path,
+    dtype: str,
+    kv_cache_dtypes: list[str],
+    max_model_len: int,
+    concurrencies: list[int],
+    new_tokens: int,
+    prompt_words: int,
+    repeats: int,
+) -> tuple[dict[str, dict], str]:
+    """One engine per KV cache dtype, built and freed in turn (one model and cache in memory at a time);
+    every name is checked before the first run so a typo in the last one costs no minutes."""
+    from cpuserve.engine import EngineConfig
+    from cpuserve.kv_cache_dtype import is_int8
+
+    for kv in kv_cache_dtypes:
+        is_int8(kv)
+    results, model_dtype = {}, ""
+    for kv in kv_cache_dtypes:
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max(concurrencies), kv_cache_dtype=kv)
+        engine = LLMEngine.from_model_dir(model_dir, config, dtype)
+        results[kv] = run_engine_bench(engine, concurrencies, new_tokens, prompt_words, repeats)
+        model_dtype = str(engine.model.dtype).removeprefix("torch.")
+        del engine
+        gc.collect()
+    return results, model_dtype
 
 
 def render(model: str, dtype: str, threads: int, results: dict[str, dict]) -> str:

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from cpuserve import __version__
-from cpuserve.cli import bench, generate, models
+from cpuserve.cli import bench_args, generate, models
 from cpuserve.cli.common import platform_plan
 from cpuserve.errors import CpuserveError
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     clu.set_defaults(func=_cmd_cluster)
 
     models.add_doctor_parser(sub)
-    bench.add_parser(sub)
+    bench_args.add_parser(sub)
     models.add_quantize_parser(sub)
     models.add_convert_parser(sub)
     return parser
