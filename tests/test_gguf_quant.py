@@ -112,6 +112,9 @@ def test_every_variant_runs_every_type(kind, n, k):
             layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant))
             got = layer(x)
             assert (got - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-5, (kind, name, m)
+            if layer.offsets is not None:  # one copy in memory: the kernels' [G, N], the [N, G] view of it
+                assert layer.kernel_offsets.shape == (layer.offsets.shape[1], n)
+                assert layer.offsets.data_ptr() == layer.kernel_offsets.data_ptr()
             native_twin = reference_forward(x, layer.int_weight(), layer.scales, None, layer.offsets, True)
             assert torch.equal(native_twin, ref)
             if variant.twin != variant:  # the SIMD kernel is bit-identical to its layout's scalar twin

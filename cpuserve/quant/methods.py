@@ -170,8 +170,9 @@ class IntWeightMethod:
     From the checkpoint: `weight` int8 [N, K] (int-quantized) or `weight_packed` int32 words plus
     `weight_shape` (pack-quantized), `weight_scale` [N, G] and, with offsets, `weight_offset` [N, G].
     After processing, on a kernel: `packed` in the kernel's layout (`packed_layout`) and, for int4
-    and grouped int8, `kernel_scales` in its order; W8A8 on a kernel whose layout is the int8 rows
-    themselves keeps `qweight`. Without a kernel: `qweight` int8 [N, K] for the reference forward."""
+    and grouped int8, `kernel_scales` in its order, and `kernel_offsets` [G, N] (`offsets` then a
+    view of it); W8A8 on a kernel whose layout is the int8 rows themselves keeps `qweight`.
+    Without a kernel: `qweight` int8 [N, K] for the reference forward."""
 
     quant: WeightQuant
     dtype: torch.dtype
@@ -192,6 +193,7 @@ class IntWeightMethod:
         offsets = torch.empty(n, self.groups(k), dtype=torch.float32) if self.quant.offsets else None
         layer.register_buffer("offsets", offsets)
         layer.packed, layer.packed_layout, layer.kernel_scales, layer.kernel = None, "none", None, None
+        layer.kernel_offsets = None
 
     def checkpoint_tensors(self, prefix: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
         shapes = {f"{prefix}.weight_scale": (n, self.groups(k))}
@@ -285,6 +287,9 @@ class IntWeightMethod:
                 layer.packed, layer.qweight = mod.pack_int8(layer.qweight, variant), None
             if self.quant.group_size:
                 layer.kernel_scales = mod.pack_scales(layer.scales, variant)
+        if layer.offsets is not None:  # the kernels' order, [groups, N]; `offsets` stays a view of it
+            layer.kernel_offsets = layer.offsets.t().contiguous()
+            layer.offsets = layer.kernel_offsets.t()
         layer.kernel = kernel
 
     def int_weight(self, layer: Any) -> torch.Tensor:
@@ -328,7 +333,7 @@ class IntWeightMethod:
             weight,
             scales,
             layer.bias,
-            layer.offsets,
+            layer.kernel_offsets,
             self.quant.act_groups,
             layer.out_features,
         )
@@ -340,7 +345,7 @@ class IntWeightMethod:
         weight, scales = self.kernel_operands(layer)
         kind = 2 if self.quant.bits == 4 else 1
         return kernels.NativeLinear(
-            kind, weight, scales, layer.bias, kernel.variant, layer.offsets, self.quant.act_groups
+            kind, weight, scales, layer.bias, kernel.variant, layer.kernel_offsets, self.quant.act_groups
         )
 
 

@@ -215,18 +215,21 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     std::vector<float> s(n * groups), off(n * groups);
     for (auto& e : s) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
     for (auto& e : off) e = 0.01f * rng.uniform();
+    std::vector<float> off_t(groups * n);  // the driver's order: [groups, N]
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t gi = 0; gi < groups; ++gi) off_t[gi * n + c] = off[c * groups + gi];
     const std::vector<float> sp = pack_scales(v, s, n, groups);
     std::vector<float> out(m * n), want(m * n), ref(m * n);
     if (bits == 8) {
       const std::vector<uint8_t> p8 = pack_int8(v, w, n, k);
-      cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), off.data(), act_groups);
-      cpk::w8a8_linear(twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), off.data(), act_groups);
-      cpk::w8a8_linear(generic, kSplit, in, w.data(), s.data(), groups, n, ref.data(), off.data(), act_groups);
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), off_t.data(), act_groups);
+      cpk::w8a8_linear(twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), off_t.data(), act_groups);
+      cpk::w8a8_linear(generic, kSplit, in, w.data(), s.data(), groups, n, ref.data(), off_t.data(), act_groups);
     } else {
       const std::vector<uint8_t> p4 = pack_int4(v, w, n, k), rows = pack_int4(generic, w, n, k);
-      cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), off.data(), act_groups);
-      cpk::w4a8_linear(twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), off.data(), act_groups);
-      cpk::w4a8_linear(generic, kSplit, in, rows.data(), s.data(), groups, n, ref.data(), off.data(), act_groups);
+      cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), off_t.data(), act_groups);
+      cpk::w4a8_linear(twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), off_t.data(), act_groups);
+      cpk::w4a8_linear(generic, kSplit, in, rows.data(), s.data(), groups, n, ref.data(), off_t.data(), act_groups);
     }
     const bool exact = bits == 8 || v.w4_exact;
     const char* what = bits == 8 ? (act_groups ? "grouped w8a8 + offsets, activations per group" : "grouped w8a8 + offsets")

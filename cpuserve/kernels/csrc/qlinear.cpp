@@ -60,13 +60,13 @@ cpk::LinearInput input_of(const torch::Tensor& xc) {
   return {xc.data_ptr(), float_dtype(xc, "linear input"), xc.size(0), xc.size(1)};
 }
 
-// The offsets of a linear with n outputs in `groups` groups, checked: fp32 [N, groups], or null.
+// The offsets of a linear with n outputs in `groups` groups, checked: fp32 [groups, N], or null.
 const float* offsets_of(const c10::optional<torch::Tensor>& offsets, int64_t n, int64_t groups, const char* what) {
   if (!offsets.has_value()) return nullptr;
   const torch::Tensor& o = *offsets;
-  TORCH_CHECK(o.scalar_type() == torch::kFloat32 && o.is_contiguous() && o.dim() == 2 && o.size(0) == n &&
-                  o.size(1) == groups,
-              what, ": offsets must be contiguous fp32 [N, groups]");
+  TORCH_CHECK(o.scalar_type() == torch::kFloat32 && o.is_contiguous() && o.dim() == 2 && o.size(0) == groups &&
+                  o.size(1) == n,
+              what, ": offsets must be contiguous fp32 [groups, N]");
   return o.data_ptr<float>();
 }
 
