@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
 #include "panel_layout.h"
 
 namespace cpk {
@@ -71,62 +72,81 @@ void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in,
 }
 
 // Output columns [c0, c1) += sa * sum_g offset[g, c] * sums[r, g]: the per-group additive term of
-// w = s * q + offset, in float, after the kernel (the same code for every variant and its twin).
-// Group-major offsets, 16 neighbouring columns as vector lanes (GCC/Clang vector extensions, so the
-// same code on x86 and Arm): each column's sum keeps its order over g, as one column at a time, but
-// without one chain of dependent scalar adds per column, which made this term cost more than the
-// int4 kernel itself (SmolLM2 Q4_1: 18 groups a row).
-typedef float Lanes __attribute__((vector_size(16)));  // 4 floats: SSE2 and NEON alike
-constexpr int kLanes = 4, kVectors = 4, kColumns = kLanes * kVectors;
+// w = s * q + offset, in float, after the kernel. Group-major offsets, 16 neighbouring columns as
+// vector lanes (GCC/Clang vector extensions): each column's sum keeps its order over g, one mul, mul
+// and add a group (-ffp-contract=off), so every vector width gives the same bits as one column at a
+// time; a scalar chain of dependent adds per column made this term cost more than the int4 kernel
+// itself (SmolLM2 Q4_1: 18 groups a row).
+constexpr int kColumns = 16;
 
-void offsets_block(const LinearArgs& a, int64_t r, int64_t c) {
-  const int32_t* gs = a.sums + r * a.groups;
-  const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
-  Lanes term[kVectors] = {};
-  for (int64_t g = 0; g < a.groups; ++g) {
-    const float* off = a.offsets + g * a.n + c;
-    const float gsum = float(gs[g]), gscale = sa != nullptr ? sa[g] : 1.f;
-    for (int i = 0; i < kVectors; ++i) {
-      Lanes t;
-      std::memcpy(&t, off + i * kLanes, sizeof t);
-      t *= gsum;
-      if (sa != nullptr) t *= gscale;
-      term[i] += t;
+template <int L>  // floats a vector: 4 (SSE2, NEON), 8 (AVX2), 16 (AVX-512)
+__attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
+  typedef float Lanes __attribute__((vector_size(L * sizeof(float))));
+  constexpr int kVectors = kColumns / L;
+  for (int64_t r = 0; r < a.m; ++r) {
+    const int32_t* gs = a.sums + r * a.groups;
+    const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
+    float* out = a.out + r * a.n;
+    int64_t c = c0;
+    for (; c + kColumns <= c1; c += kColumns) {
+      Lanes term[kVectors] = {};
+      for (int64_t g = 0; g < a.groups; ++g) {
+        const float* off = a.offsets + g * a.n + c;
+        const float gsum = float(gs[g]);
+        for (int i = 0; i < kVectors; ++i) {
+          Lanes t;
+          std::memcpy(&t, off + i * L, sizeof t);
+          t *= gsum;
+          if (sa != nullptr) t *= sa[g];
+          term[i] += t;
+        }
+      }
+      for (int i = 0; i < kVectors; ++i) {
+        if (sa == nullptr) term[i] *= a.sa[r];
+        for (int j = 0; j < L; ++j) out[c + i * L + j] += term[i][j];
+      }
+    }
+    for (; c < c1; ++c) {  // the last columns, one at a time, the same operations
+      float term = 0.f;
+      for (int64_t g = 0; g < a.groups; ++g) {
+        float t = a.offsets[g * a.n + c] * float(gs[g]);
+        if (sa != nullptr) t *= sa[g];
+        term += t;
+      }
+      out[c] += sa != nullptr ? term : term * a.sa[r];
     }
   }
-  float* out = a.out + r * a.n + c;
-  for (int i = 0; i < kVectors; ++i) {
-    if (sa == nullptr) term[i] *= a.sa[r];
-    for (int j = 0; j < kLanes; ++j) out[i * kLanes + j] += term[i][j];
-  }
 }
 
-void offsets_column(const LinearArgs& a, int64_t r, int64_t c) {
-  const int32_t* gs = a.sums + r * a.groups;
-  const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
-  float term = 0.f;
-  for (int64_t g = 0; g < a.groups; ++g) {
-    float t = a.offsets[g * a.n + c] * float(gs[g]);
-    if (sa != nullptr) t *= sa[g];
-    term += t;
-  }
-  a.out[r * a.n + c] += sa != nullptr ? term : term * a.sa[r];
+using AddOffsets = void (*)(const LinearArgs&, int64_t, int64_t);
+void offsets_portable(const LinearArgs& a, int64_t c0, int64_t c1) { offsets_range<4>(a, c0, c1); }
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void offsets_avx2(const LinearArgs& a, int64_t c0, int64_t c1) {
+  offsets_range<8>(a, c0, c1);
 }
+__attribute__((target("avx512f"))) void offsets_avx512(const LinearArgs& a, int64_t c0, int64_t c1) {
+  offsets_range<16>(a, c0, c1);
+}
+#endif
 
-void add_offsets(const LinearArgs& a, int64_t c0, int64_t c1) {
-  for (int64_t r = 0; r < a.m; ++r) {
-    int64_t c = c0;
-    for (; c + kColumns <= c1; c += kColumns) offsets_block(a, r, c);
-    for (; c < c1; ++c) offsets_column(a, r, c);
-  }
+// The widest vectors the variant's CPU features allow (the twins: the portable ones).
+AddOffsets offsets_for(const Variant& v) {
+#if defined(__x86_64__)
+  if (v.needs & kAvx512Vnni) return offsets_avx512;
+  if (v.needs & kAvx2) return offsets_avx2;
+#endif
+  (void)v;
+  return offsets_portable;
 }
 
 // Output work shared out: panels for a panel layout, else columns; each range's offsets added by
 // the thread that computed it.
-void over_outputs(const Parallel& par, bool panels, int64_t n, LinearKernel kernel, const LinearArgs& args) {
+void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n, LinearKernel kernel,
+                  const LinearArgs& args) {
+  const AddOffsets add_offsets = args.offsets != nullptr ? offsets_for(v) : nullptr;
   auto body = [&](int64_t begin, int64_t end) {
     kernel(args, begin, end);
-    if (args.offsets != nullptr)
+    if (add_offsets != nullptr)
       add_offsets(args, panels ? begin * kPanel : begin, panels ? std::min(n, end * kPanel) : end);
   };
   if (panels)
@@ -147,7 +167,7 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
   quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups);
   const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
                         offsets, act_groups};
-  over_outputs(par, is_panels(v.int8), n, v.w8a8, args);
+  over_outputs(par, v, is_panels(v.int8), n, v.w8a8, args);
 }
 
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
@@ -158,7 +178,7 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
   quantize_rows(v, par, in, in.k / groups, act, act_groups);
   const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
                         offsets, act_groups};
-  over_outputs(par, is_panels(v.int4), n, v.w4a8, args);
+  over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args);
 }
 
 void float_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, DType wtype, int64_t n,
