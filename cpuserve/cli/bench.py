@@ -22,7 +22,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         concurrencies = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         raise CpuserveError(f"--concurrency {args.concurrency!r}: expected numbers like 1,4,8,16") from None
+    from cpuserve.kv_cache_dtype import is_int8
+
     kv_dtypes = [kv.strip() for kv in args.kv_cache_dtype.split(",")]
+    for kv in kv_dtypes:
+        is_int8(kv)  # every name checked before a model is resolved (converted) or loaded
     model_dir = resolve_model(args.model, args.cache_dir)
     results, dtype = run_per_kv_cache_dtype(
         model_dir,

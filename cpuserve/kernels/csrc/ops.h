@@ -13,8 +13,8 @@
 
 using cpk::Variant;
 
-// offsets: [groups, N] fp32 additive terms per group (the transpose of the checkpoint's [N, groups]) (w = s * q + offset), or none; act_groups:
-// activations quantized per group instead of per token (linear_driver.h).
+// offsets: fp32 [groups, N], group-major (the transpose of the checkpoint's [N, groups]; w = s * q +
+// offset), or none; act_groups: activations quantized per group instead of per token (linear_driver.h).
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
                           c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
