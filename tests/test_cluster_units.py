@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from fastapi import FastAPI, Request
@@ -467,6 +468,39 @@ def test_the_proxy_check_asks_where_serve_was_told_to_listen() -> None:
     try:
         port = server.server_address[1]
         assert _proxy_answers("127.0.0.1", port) and _proxy_answers("0.0.0.0", port)  # 0.0.0.0: asked on loopback
-        assert not _proxy_answers("127.0.0.1", free_port())  # nothing there: Serve listens elsewhere
+        assert not _proxy_answers("127.0.0.1", free_port(), wait=1.0)  # nothing there: Serve listens elsewhere
     finally:
         server.shutdown()
+
+
+def test_the_proxy_check_waits_for_a_proxy_ray_is_restarting() -> None:
+    """Under load Ray marks its proxy unhealthy and starts a new one (seen: more than 10 s on 2 cores);
+    the check must not take that gap for a proxy listening elsewhere and delete the application."""
+    import http.server
+    import threading
+
+    from cpuserve.bench.server_process import free_port
+    from cpuserve.cluster.app import _proxy_answers
+
+    class Routes(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    port = free_port()
+    servers: list[http.server.HTTPServer] = []
+
+    def start_late() -> None:
+        time.sleep(2.5)
+        servers.append(http.server.HTTPServer(("127.0.0.1", port), Routes))
+        servers[0].serve_forever()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    try:
+        assert _proxy_answers("127.0.0.1", port, wait=30.0)
+    finally:
+        if servers:
+            servers[0].shutdown()

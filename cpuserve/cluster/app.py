@@ -193,16 +193,28 @@ def build(config: dict[str, Any]) -> Any:
     return build_application(args)
 
 
-def _proxy_answers(host: str, port: int) -> bool:
-    """Whether Ray Serve's proxy answers where we said it would (its route table, /-/routes)."""
+PROXY_WAIT_S = 90.0  # Ray restarts a proxy that missed its health checks (seen taking >10 s on 2 busy cores)
+
+
+def _proxy_answers(host: str, port: int, wait: float = PROXY_WAIT_S) -> bool:
+    """Whether Ray Serve's proxy answers where we said it would (its route table, /-/routes) within
+    `wait` seconds: a proxy Ray is restarting answers again, one that listens elsewhere never does."""
+    import time
     import urllib.request
 
     probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    try:
-        with urllib.request.urlopen(f"http://{probe}:{port}/-/routes", timeout=10) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{probe}:{port}/-/routes", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        log.info("Ray Serve's proxy does not answer on %s:%d yet: asking again", probe, port)
+        time.sleep(1.0)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
