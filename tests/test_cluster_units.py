@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
@@ -448,12 +449,9 @@ def test_ingress_reports_every_replica_and_hides_them_without_the_key() -> None:
     assert client.get("/health").status_code == 503
 
 
-def test_the_proxy_check_asks_where_serve_was_told_to_listen() -> None:
+def _routes_server(port: int = 0) -> Any:
+    """A stand-in for Ray Serve's proxy: 200 on its route table (/-/routes), 404 elsewhere."""
     import http.server
-    import threading
-
-    from cpuserve.bench.server_process import free_port
-    from cpuserve.cluster.app import _proxy_answers
 
     class Routes(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -463,7 +461,16 @@ def test_the_proxy_check_asks_where_serve_was_told_to_listen() -> None:
         def log_message(self, *_: object) -> None:
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Routes)
+    return http.server.HTTPServer(("127.0.0.1", port), Routes)
+
+
+def test_the_proxy_check_asks_where_serve_was_told_to_listen() -> None:
+    import threading
+
+    from cpuserve.bench.server_process import free_port
+    from cpuserve.cluster.app import _proxy_answers
+
+    server = _routes_server()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         port = server.server_address[1]
@@ -476,26 +483,17 @@ def test_the_proxy_check_asks_where_serve_was_told_to_listen() -> None:
 def test_the_proxy_check_waits_for_a_proxy_ray_is_restarting() -> None:
     """Under load Ray marks its proxy unhealthy and starts a new one (seen: more than 10 s on 2 cores);
     the check must not take that gap for a proxy listening elsewhere and delete the application."""
-    import http.server
     import threading
 
     from cpuserve.bench.server_process import free_port
     from cpuserve.cluster.app import _proxy_answers
 
-    class Routes(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *_: object) -> None:
-            pass
-
     port = free_port()
-    servers: list[http.server.HTTPServer] = []
+    servers: list[Any] = []
 
     def start_late() -> None:
         time.sleep(2.5)
-        servers.append(http.server.HTTPServer(("127.0.0.1", port), Routes))
+        servers.append(_routes_server(port))
         servers[0].serve_forever()
 
     threading.Thread(target=start_late, daemon=True).start()

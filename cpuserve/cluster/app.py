@@ -203,7 +203,7 @@ def _proxy_answers(host: str, port: int, wait: float = PROXY_WAIT_S) -> bool:
     import urllib.request
 
     probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    deadline = time.monotonic() + wait
+    deadline, waiting = time.monotonic() + wait, False
     while True:
         try:
             with urllib.request.urlopen(f"http://{probe}:{port}/-/routes", timeout=5) as r:
@@ -213,7 +213,9 @@ def _proxy_answers(host: str, port: int, wait: float = PROXY_WAIT_S) -> bool:
             pass
         if time.monotonic() >= deadline:
             return False
-        log.info("Ray Serve's proxy does not answer on %s:%d yet: asking again", probe, port)
+        if not waiting:
+            log.info("Ray Serve's proxy does not answer on %s:%d yet: asking for up to %.0f s", probe, port, wait)
+            waiting = True
         time.sleep(1.0)
 
 
