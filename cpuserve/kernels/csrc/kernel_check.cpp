@@ -312,6 +312,21 @@ void check_floats(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k) {
   }
 }
 
+// The dot-peak loop does the multiply-adds it claims: with all-ones operands the lanes' sum is the
+// count, rounds * dot_peak_macs (what the benchmark divides by time).
+bool dot_peak_counts(const Variant& v) {
+  for (int64_t rounds : {1, 7, 1000}) {
+    const int64_t got = v.dot_peak(rounds), want = rounds * v.dot_peak_macs;
+    if (got != want) {
+      std::printf("FAILED %s dot_peak(%ld): lanes sum to %ld, expected %ld\n", v.name, long(rounds), long(got),
+                  long(want));
+      ++failures;
+      return false;
+    }
+  }
+  return true;
+}
+
 const char* int4_name(cpk::Int4Layout l) {
   return l == cpk::Int4Layout::TwosComplementRows ? "two's-complement" : "offset";
 }
@@ -345,6 +360,7 @@ int main(int argc, char** argv) {
   for (const Variant* v : todo) {
     const long before = checks;
     const int failed_before = failures;
+    dot_peak_counts(*v);
     for (int64_t m = 1; m <= 17; ++m)
       for (int64_t n : ns)
         for (int64_t k : ks)
@@ -359,7 +375,8 @@ int main(int argc, char** argv) {
           if (m <= 17 || (n == 33 && k == 64)) check_floats(*v, rng, m, n, k);
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
                 "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets and per-group "
-                "activations at M 1, 2, 3, 5, 17; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577)%s\n",
+                "activations at M 1, 2, 3, 5, 17; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
+                "the dot-peak loop's count)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name,
                 v == &best ? " [selected]" : "");

@@ -221,6 +221,19 @@ const Variant& variant(const std::string& name) {
   return *v;
 }
 
+// `rounds` rounds of the variant's dot-peak loop on every thread of torch's pool at once: the
+// lanes' sum over all threads (the multiply-adds done; dot_peak.h).
+int64_t dot_peak(const Variant& v, int64_t rounds) {
+  TORCH_CHECK(v.dot_peak != nullptr, "dot_peak: ", v.name, " has no peak loop (a twin row)");
+  TORCH_CHECK(cpk::runs_here(v), "dot_peak: this CPU cannot run ", v.name);
+  const cpk::Parallel par = torch_parallel();
+  std::atomic<int64_t> total{0};
+  par.for_range(0, par.threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) total.fetch_add(v.dot_peak(rounds), std::memory_order_relaxed);
+  });
+  return total.load();
+}
+
 // {variant: {op: calls}} for every count that is not zero.
 pybind11::dict dispatch_counts() {
   pybind11::dict out;
@@ -249,6 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def_property_readonly("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); })
       .def_property_readonly("int4_layout", [](const Variant& v) { return int4_layout_name(v.int4); })
       .def_property_readonly("runs_here", [](const Variant& v) { return cpk::runs_here(v); })
+      .def_property_readonly("dot_peak_macs", [](const Variant& v) { return v.dot_peak_macs; })
       .def("__eq__", [](const Variant& v, const Variant& o) { return &v == &o; })
       .def("__eq__", [](const Variant& v, const std::string& name) { return name == v.name; })
       .def("__eq__", [](const Variant&, const py::object&) { return false; })
@@ -284,6 +298,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   }, "selectable variants compiled in, generic first, best last (the CPU decides which can run)");
   mod.def("best_variant", [] { return std::string(cpk::best_variant().name); },
           "the best variant for this CPU, as the kernel's feature detector sees it");
+  mod.def("dot_peak", &dot_peak, py::call_guard<py::gil_scoped_release>(),
+          "rounds of the variant's int8 dot-peak loop on every thread: the multiply-adds done", py::arg("variant"),
+          py::arg("rounds"));
   mod.def("dispatch_counts", &dispatch_counts, "calls per variant and op since the last reset");
   mod.def("reset_dispatch_counts", &cpk::reset_dispatch_counts, "zero the dispatch counters");
 }

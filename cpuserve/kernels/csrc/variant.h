@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dot_peak.h"
 #include "float_types.h"
 #include "parallel.h"
 
@@ -75,6 +76,8 @@ struct Variant {
   const Variant* twin;  // the scalar twin of its layouts (itself for a twin)
   bool w4_exact;        // W4A8 bit-identical to the twin (else within kernel_check's budget)
   FloatKernel float_linear;  // unquantized linears (float_panels.h; the twin: float_panels_twin)
+  DotPeak dot_peak = nullptr;  // its dot instructions' peak loop (dot_peak.h); the twins have none
+  int64_t dot_peak_macs = 0;   // multiply-adds per round of that loop
 };
 
 // The ops counted per variant: one relaxed atomic increment per call, so a test can show which

@@ -14,5 +14,10 @@ void w8a8_neon_i8mm(const LinearArgs& a, int64_t c0, int64_t c1);
 void w4a8_neon_i8mm(const LinearArgs& a, int64_t c0, int64_t c1);
 // float_neon.cpp: the float panel kernel on q registers (every Armv8 variant's).
 void float_linear_neon(const FloatArgs& a, int64_t p0, int64_t p1);
+// dot_peak_arm.cpp: each variant's dot-peak loop (dot_peak.h) and its multiply-adds per round.
+int64_t dot_peak_neon(int64_t rounds);
+int64_t dot_peak_neon_dotprod(int64_t rounds);
+int64_t dot_peak_neon_i8mm(int64_t rounds);
+constexpr int64_t kDotPeakNeonMacs = 12 * 8, kDotPeakDotprodMacs = 12 * 16, kDotPeakI8mmMacs = 12 * 32;
 
 }  // namespace cpk

@@ -26,4 +26,10 @@ void decode_attention_avx512_vnni(const AttentionArgs& a, const Parallel& par);
 // float_avx512.cpp: the float panel kernel on zmm.
 void float_linear_avx512(const FloatArgs& a, int64_t p0, int64_t p1);
 
+// dot_peak_x86.cpp: each variant's dot-peak loop (dot_peak.h) and its multiply-adds per round.
+int64_t dot_peak_avx2(int64_t rounds);
+int64_t dot_peak_avx_vnni(int64_t rounds);
+int64_t dot_peak_avx512_vnni(int64_t rounds);
+constexpr int64_t kDotPeakAvx2Macs = 8 * 32, kDotPeakAvxVnniMacs = 12 * 32, kDotPeakAvx512VnniMacs = 12 * 64;
+
 }  // namespace cpk
