@@ -35,3 +35,15 @@ def test_regenerating_replaces_the_section(tmp_path):
     assert text.startswith("# Benchmarks\n\nhand-written text\n")
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and "--repeats 5" in text
     assert (tmp_path / "speed.svg").read_text().startswith("<svg")
+
+
+def test_the_long_prompt_gets_its_own_table_ratios_and_bars():
+    result = _result()
+    result.long = 4096
+    result.pairs[0].medians["A W4A8"].update({"pp4096": 200.0, "tg4096": 80.0})
+    result.pairs[0].medians["A Q4_0"].update({"pp4096": 100.0, "tg4096": 100.0})
+    text = render_speed(result)
+    assert "| A W4A8 | 200.0 | 80.00 |" in text and "| A Q4_0 | 100.0 | 100.00 |" in text
+    assert "decode **1.50x**; pp4096 **2.00x**, decode at 4096 **0.80x**" in text
+    svg = plot_svg(result)
+    assert svg.count("<rect") == 5 + 5 and ">2.00<" in svg and ">0.80<" in svg

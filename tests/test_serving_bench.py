@@ -22,3 +22,12 @@ def test_prompts_avoid_both_ends_of_the_vocabulary_and_repeat_per_seed():
     ids = prompt_ids(random.Random(3), 256, 49152)
     assert len(ids) == 256 and min(ids) >= 256 and max(ids) < 49152 - 512
     assert ids == prompt_ids(random.Random(3), 256, 49152)
+
+
+def test_eight_streams_over_one_is_reported_per_server():
+    ours = [Point(1, tokens=100, seconds=1.0), Point(8, tokens=600, seconds=1.5)]
+    peer = [Point(1, tokens=60, seconds=1.0), Point(8, tokens=150, seconds=1.0)]
+    table = render_table([ServingResult("m", {"decode-heavy": ours}, {"decode-heavy": peer})])
+    assert "- m, decode-heavy: 8 streams / 1 stream = cpuserve **4.00x**, llama-server 2.50x" in table
+    alone = render_table([ServingResult("m", {"decode-heavy": [Point(1, tokens=10, seconds=1.0)]}, None)])
+    assert "streams / 1 stream" not in alone  # no 8-stream point measured: no line

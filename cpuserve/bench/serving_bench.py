@@ -34,7 +34,7 @@ WORKLOADS = {
     "prompt-heavy": Workload("prompt-heavy", 256, 64),
     "decode-heavy": Workload("decode-heavy", 32, 128),
 }
-STREAMS = (1, 4, 16)
+STREAMS = (1, 4, 8, 16)
 
 
 def requests_per_stream(streams: int) -> int:
@@ -206,8 +206,24 @@ def render_table(results: list[ServingResult]) -> str:
                     f"| {p.ttft_pct(0.5):.2f} / {p.ttft_pct(0.9):.2f} s | {peer_ttft} |"
                 )
         errors += [e for pts in [result.ours, result.peer or {}] for ps in pts.values() for p in ps for e in p.errors]
-    lines += [f"error: {e}" for e in errors[:10]]
+    scaling = [line for result in results for line in _scaling(result)]
+    lines += (["", *scaling] if scaling else []) + [f"error: {e}" for e in errors[:10]]
     return "\n".join(lines)
+
+
+def _scaling(result: ServingResult, many: int = 8) -> list[str]:
+    """How far batching carries each server: output tok/s at `many` streams over one stream's."""
+
+    def ratio(points: list[Point]) -> str:
+        by = {p.streams: p.tok_s for p in points}
+        return f"{by[many] / by[1]:.2f}x" if by.get(1) and by.get(many) else "-"
+
+    return [
+        f"- {result.label}, {name}: {many} streams / 1 stream = cpuserve **{ratio(points)}**"
+        + (f", llama-server {ratio(result.peer[name])}" if result.peer else "")
+        for name, points in result.ours.items()
+        if any(p.streams == many for p in points)
+    ]
 
 
 def render(result: ServingResult, command: str, isa: str) -> str:

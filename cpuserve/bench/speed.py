@@ -2,7 +2,8 @@
 
 Each measurement runs in a fresh process (peak RSS is that engine's own); engines alternate and
 each is measured `repeats` times; medians are reported with ratios, and decode is also expressed
-as GB/s of weights read per token against this machine's measured read bandwidth.
+as GB/s of weights read per token against this machine's measured read bandwidth. With `long`, each
+run also prefills a prompt of that many tokens and decodes behind it (llama.cpp with flash attention).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class SpeedResult:
     decode: int
     repeats: int
     pairs: list[PairResult]
+    long: int = 0  # the long prompt's tokens (pp<long>, tg<long>); 0: not measured
 
 
 def measure_speed(
@@ -94,8 +96,10 @@ def measure_speed(
     repeats: int,
     weight_bytes: dict[str, int],
     env: dict[str, str] | None = None,
+    long: int = 0,
 ) -> SpeedResult:
-    """pairs: (cpuserve label, cpuserve dir, llama.cpp label, gguf). env: extra variables for cpuserve."""
+    """pairs: (cpuserve label, cpuserve dir, llama.cpp label, gguf). env: extra variables for cpuserve.
+    long: also a prompt of that many tokens and decode behind it (0: not)."""
     bandwidth = read_bandwidth_gbs(threads)
     results = []
     for ours_label, ours_dir, theirs_label, gguf in pairs:
@@ -104,22 +108,41 @@ def measure_speed(
             print(f"[bench] {ours_label} vs {theirs_label}: run {i + 1}/{repeats}", file=sys.stderr, flush=True)
             runs[ours_label].append(
                 _run(
-                    [sys.executable, "-m", "cpuserve.bench.speed_worker", str(ours_dir), str(prompt), str(decode)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "cpuserve.bench.speed_worker",
+                        str(ours_dir),
+                        str(prompt),
+                        str(decode),
+                        str(long),
+                    ],
                     env,
                 )
             )
             runs[theirs_label].append(
-                _run([llamacpp_python, str(LLAMACPP_SCRIPT), str(gguf), str(prompt), str(decode), str(threads)])
+                _run(
+                    [
+                        llamacpp_python,
+                        str(LLAMACPP_SCRIPT),
+                        str(gguf),
+                        str(prompt),
+                        str(decode),
+                        str(threads),
+                        str(long),
+                    ]
+                )
             )
         med = {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}
         sizes = {label: weight_bytes[label] for label in runs}
         results.append(PairResult(ours_label, theirs_label, med, sizes))
-    return SpeedResult(threads, bandwidth, prompt, decode, repeats, results)
+    return SpeedResult(threads, bandwidth, prompt, decode, repeats, results, long)
 
 
-def ratios(pair: PairResult, prompt: int) -> dict[str, float]:
+def ratios(pair: PairResult, prompt: int, long: int = 0) -> dict[str, float]:
     o, t = pair.medians[pair.ours], pair.medians[pair.theirs]
-    return {key: o[key] / t[key] for key in ("pp128", f"pp{prompt}", "tg")}
+    keys = ("pp128", f"pp{prompt}", "tg") + ((f"pp{long}", f"tg{long}") if long else ())
+    return {key: o[key] / t[key] for key in keys}
 
 
 def render_speed(result: SpeedResult) -> str:
@@ -141,11 +164,26 @@ def render_speed(result: SpeedResult) -> str:
                 f"| {label} | {m['pp128']:.1f} | {m[f'pp{p}']:.1f} | {1000 * 128 / m['pp128']:.0f} | {m['tg']:.2f} "
                 f"| {gbs:.1f} ({100 * gbs / result.bandwidth_gbs:.0f}%) | {m['load_s']:.1f} | {m['peak_rss_mb']:.0f} |"
             )
+    n = result.long
+    if n:
+        lines += [
+            "",
+            f"Long context: a {n}-token prompt, then {result.decode} tokens decoded behind it (llama.cpp with "
+            "flash attention on).",
+            "",
+            f"| engine | pp{n} tok/s | decode at {n} tok/s |",
+            "|---|---|---|",
+        ]
+        for pair in result.pairs:
+            for label in (pair.ours, pair.theirs):
+                m = pair.medians[label]
+                lines.append(f"| {label} | {m[f'pp{n}']:.1f} | {m[f'tg{n}']:.2f} |")
     lines.append("")
     for pair in result.pairs:
-        r = ratios(pair, p)
+        r = ratios(pair, p, n)
+        long_part = f"; pp{n} **{r[f'pp{n}']:.2f}x**, decode at {n} **{r[f'tg{n}']:.2f}x**" if n else ""
         lines.append(
             f"- {pair.ours} / {pair.theirs}: prefill pp{p} **{r[f'pp{p}']:.2f}x**, pp128 {r['pp128']:.2f}x, "
-            f"decode **{r['tg']:.2f}x**"
+            f"decode **{r['tg']:.2f}x**{long_part}"
         )
     return "\n".join(lines)

@@ -1,6 +1,9 @@
 """One engine's single-stream speed, in its own process (so peak RSS is its own). Prints JSON.
 
-python -m cpuserve.bench.speed_worker MODEL_DIR PROMPT_TOKENS DECODE_TOKENS
+python -m cpuserve.bench.speed_worker MODEL_DIR PROMPT_TOKENS DECODE_TOKENS [LONG_TOKENS]
+
+LONG_TOKENS (0: skip): after the rest and after peak RSS is read, a prompt of that many tokens
+(pp<LONG>) and DECODE_TOKENS decoded behind it (tg<LONG>), in a cache of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 
 def main() -> None:
     model_dir, prompt_tokens, decode_tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    long_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     start = time.perf_counter()
     import os
 
@@ -38,16 +42,30 @@ def main() -> None:
         hidden = model.hidden_states(ids[:, :n], cache)
         model.logits(hidden[:, -1])
         result[f"pp{n}"] = n / (time.perf_counter() - t)
-    token = torch.tensor([[7]])
-    t = time.perf_counter()
-    for _ in range(decode_tokens):
-        token = model.logits(model.hidden_states(token, cache)[:, -1]).argmax(-1, keepdim=True)
-    result["tg"] = decode_tokens / (time.perf_counter() - t)
+    result["tg"] = _decode_rate(model, cache, decode_tokens)
     # VmHWM, not ru_maxrss: after fork + exec, ru_maxrss starts from the parent's peak.
     status = Path("/proc/self/status").read_text().splitlines()
     hwm = next(line for line in status if line.startswith("VmHWM:"))
     result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
+    if long_tokens:
+        cache = model.new_cache(1, long_tokens + decode_tokens + 1)
+        long_ids = torch.arange(100, 100 + long_tokens).unsqueeze(0) % model.spec.vocab_size
+        t = time.perf_counter()
+        model.logits(model.hidden_states(long_ids, cache)[:, -1])
+        result[f"pp{long_tokens}"] = long_tokens / (time.perf_counter() - t)
+        result[f"tg{long_tokens}"] = _decode_rate(model, cache, decode_tokens)
     print(json.dumps(result))
+
+
+def _decode_rate(model, cache, tokens: int) -> float:
+    """Greedy single-token steps behind what `cache` holds: tokens per second."""
+    import torch
+
+    token = torch.tensor([[7]])
+    t = time.perf_counter()
+    for _ in range(tokens):
+        token = model.logits(model.hidden_states(token, cache)[:, -1]).argmax(-1, keepdim=True)
+    return tokens / (time.perf_counter() - t)
 
 
 if __name__ == "__main__":

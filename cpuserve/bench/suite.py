@@ -68,12 +68,16 @@ def prepare(work: Path, model: str) -> None:
 
 
 def plot_svg(result: SpeedResult) -> str:
-    """Grouped bars: cpuserve / llama.cpp per pair for prefill 128, prefill N, decode; a line at 1.0."""
+    """Grouped bars: cpuserve / llama.cpp per pair for prefill 128, prefill N, decode (and the long
+    prompt's prefill and decode when measured); a line at 1.0."""
     metrics = [("pp128", "prefill 128"), (f"pp{result.prompt}", f"prefill {result.prompt}"), ("tg", "decode")]
-    colors = ["#4c78a8", "#72b7b2", "#f58518"]
-    values = [[ratios(pair, result.prompt)[key] for key, _ in metrics] for pair in result.pairs]
+    if result.long:
+        metrics += [(f"pp{result.long}", f"prefill {result.long}"), (f"tg{result.long}", f"decode at {result.long}")]
+    colors = ["#4c78a8", "#72b7b2", "#f58518", "#54a24b", "#b279a2"]
+    values = [[ratios(pair, result.prompt, result.long)[key] for key, _ in metrics] for pair in result.pairs]
     top = max(2.0, max(max(v) for v in values) * 1.15)
-    width, height, left, bottom, plot_h = 160 * len(values) + 120, 360, 60, 300, 260
+    group = 40 * len(metrics) + 40
+    width, height, left, bottom, plot_h = group * len(values) + 120, 360, 60, 300, 260
     scale = plot_h / top
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
@@ -88,13 +92,14 @@ def plot_svg(result: SpeedResult) -> str:
     y1 = bottom - scale
     out.append(f'<line x1="{left}" x2="{width - 20}" y1="{y1:.1f}" y2="{y1:.1f}" stroke="#333" stroke-dasharray="4"/>')
     for i, (pair, vals) in enumerate(zip(result.pairs, values, strict=True)):
-        x0 = left + 20 + 160 * i
+        x0 = left + 20 + group * i
         for j, v in enumerate(vals):
             x, h = x0 + 40 * j, v * scale
             out.append(f'<rect x="{x}" y="{bottom - h:.1f}" width="34" height="{h:.1f}" fill="{colors[j]}"/>')
             out.append(f'<text x="{x + 17}" y="{bottom - h - 4:.1f}" text-anchor="middle">{v:.2f}</text>')
-        out.append(f'<text x="{x0 + 57}" y="{bottom + 18}" text-anchor="middle">{pair.ours}</text>')
-        out.append(f'<text x="{x0 + 57}" y="{bottom + 32}" text-anchor="middle" fill="#666">vs {pair.theirs}</text>')
+        mid = x0 + 20 * len(metrics) - 3
+        out.append(f'<text x="{mid}" y="{bottom + 18}" text-anchor="middle">{pair.ours}</text>')
+        out.append(f'<text x="{mid}" y="{bottom + 32}" text-anchor="middle" fill="#666">vs {pair.theirs}</text>')
     for j, (_, name) in enumerate(metrics):
         x = left + 20 + 130 * j
         out.append(f'<rect x="{x}" y="{height - 16}" width="12" height="12" fill="{colors[j]}"/>')
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--long", type=int, default=4096, help="a long prompt's tokens, prefill and decode (0: skip)")
     parser.add_argument("--only", choices=sorted(PAIRS), action="append", help="one model family (repeatable)")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/ alone")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary: the serving comparison too")
@@ -222,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         sizes,
         env={"CPUSERVE_QUANTIZE_LM_HEAD": LM_HEAD},
+        long=args.long,
     )
     print(render_speed(result))
     (args.work / "speed.json").write_text(json.dumps(asdict(result), indent=1))
     if not args.no_docs:
-        write_docs(result, f"benchmarks/run --repeats {args.repeats} --decode {args.decode}{only}")
+        write_docs(result, f"benchmarks/run --repeats {args.repeats} --decode {args.decode} --long {args.long}{only}")
         _say("wrote docs/benchmarks.md and docs/speed.svg")
     if serving:
         report = run_serving(args.work, families, args.llama_server, args.threads, False)

@@ -148,7 +148,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         weight_bytes.update(decode_bytes(ours_label, Path(ours_dir), theirs_label, Path(gguf)))
         pairs.append((ours_label, Path(ours_dir), theirs_label, Path(gguf)))
     result = measure_speed(
-        pairs, args.llamacpp_python, args.threads, args.prompt, args.decode, args.repeats, weight_bytes
+        pairs, args.llamacpp_python, args.threads, args.prompt, args.decode, args.repeats, weight_bytes, long=args.long
     )
     print(render_speed(result))
     return 0

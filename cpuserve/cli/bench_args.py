@@ -79,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--prompt", type=int, default=512)
     bsp.add_argument("--decode", type=int, default=64)
     bsp.add_argument("--repeats", type=int, default=3)
+    bsp.add_argument("--long", type=int, default=0, help="also a prompt of this many tokens and decode behind it")
     bsp.set_defaults(func=cmd_bench_speed)
     mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
     mm.add_argument("out_dir")
