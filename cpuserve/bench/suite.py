@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -108,6 +109,29 @@ def plot_svg(result: SpeedResult) -> str:
     return "\n".join(out)
 
 
+# Each family's layer shape and schemes for the linears-against-peak table (bench/peak.py).
+EFFICIENCY = {
+    "smol": ("smollm2-135m", (("W4A8-G64", 4, 64), ("W8A8", 8, None))),
+    "2b": ("minicpm5-2b", (("W4A8-G128", 4, 128), ("W8A8", 8, None))),
+}
+
+
+def efficiency_tables(families: list[str], threads: int, variant: str | None = None) -> list[str]:
+    """The batched linears of each family's shape against the measured int8 peak, rendered
+    (variant: a kernel variant by name; else the one cpuserve selects here)."""
+    import torch
+
+    from cpuserve.bench.peak import measure_efficiency, render_efficiency
+
+    torch.set_num_threads(threads)
+    tables = []
+    for family in families:
+        shape, schemes = EFFICIENCY[family]
+        _say(f"linears against the int8 peak: {shape}")
+        tables.append(render_efficiency(measure_efficiency(shape, variant_name=variant, schemes=schemes)))
+    return tables
+
+
 # What --as-avx2 sets for cpuserve: its kernels and torch's (the slow-bf16 path of an AVX2 host).
 AS_AVX2 = {"CPUSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -166,8 +190,9 @@ def write_serving_docs(report: str, command: str, as_avx2: bool, threads: int, d
     _replace_section(f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->", section, docs)
 
 
-def write_docs(result: SpeedResult, command: str, docs: Path = DOCS) -> None:
-    """Replace the generated section of docs/benchmarks.md (appended the first time) and the plot."""
+def write_docs(result: SpeedResult, command: str, docs: Path = DOCS, efficiency: Sequence[str] = ()) -> None:
+    """Replace the generated section of docs/benchmarks.md (appended the first time) and the plot.
+    efficiency: the linears-against-peak tables (bench/peak.py), one per model shape."""
     (docs / "speed.svg").write_text(plot_svg(result) + "\n")
     section = "\n".join(
         [
@@ -180,6 +205,7 @@ def write_docs(result: SpeedResult, command: str, docs: Path = DOCS) -> None:
             render_speed(result),
             "",
             "![cpuserve / llama.cpp](speed.svg)",
+            *(line for table in efficiency for line in ("", table)),
             END,
         ]
     )
@@ -209,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         for family in families:
             prepare(args.work, family)
         report = run_serving(args.work, families, args.llama_server, args.threads, True)
+        report = "\n\n".join([report, *efficiency_tables(families, args.threads, AS_AVX2["CPUSERVE_ISA"])])
         print(report)
         if not args.no_docs:
             write_serving_docs(report, f"benchmarks/run --as-avx2{only}", True, args.threads)
@@ -232,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(render_speed(result))
     (args.work / "speed.json").write_text(json.dumps(asdict(result), indent=1))
+    efficiency = efficiency_tables(families, args.threads)
+    print("\n\n".join(efficiency))
     if not args.no_docs:
-        write_docs(result, f"benchmarks/run --repeats {args.repeats} --decode {args.decode} --long {args.long}{only}")
+        command = f"benchmarks/run --repeats {args.repeats} --decode {args.decode} --long {args.long}{only}"
+        write_docs(result, command, efficiency=efficiency)
         _say("wrote docs/benchmarks.md and docs/speed.svg")
     if serving:
         report = run_serving(args.work, families, args.llama_server, args.threads, False)

@@ -154,6 +154,27 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_peak(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpuserve.bench.make_model import SHAPES
+    from cpuserve.bench.peak import measure_efficiency, model_linears, render_efficiency
+
+    if args.shape not in SHAPES:
+        raise CpuserveError(f"--shape {args.shape!r}: one of {', '.join(sorted(SHAPES))}")
+    try:
+        ms = tuple(int(m) for m in args.m.split(","))
+    except ValueError:
+        raise CpuserveError(f"--m {args.m!r}: expected rows per call, comma-separated (16,512)") from None
+    for name, _, k in model_linears(SHAPES[args.shape]):
+        if args.group % 32 or k % args.group:
+            raise CpuserveError(f"--group {args.group}: {args.shape}'s {name} has K = {k}, not a multiple of it")
+    torch.set_num_threads(args.threads)
+    schemes = ((f"W4A8-G{args.group}", 4, args.group), ("W8A8", 8, None))
+    print(render_efficiency(measure_efficiency(args.shape, ms, schemes=schemes)))
+    return 0
+
+
 def cmd_bench_make_model(args: argparse.Namespace) -> int:
     from cpuserve.bench.make_model import make_model
     from cpuserve.model.resolve import resolve_model

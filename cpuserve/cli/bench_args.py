@@ -11,6 +11,7 @@ from cpuserve.cli.bench import (
     cmd_bench_itl,
     cmd_bench_load,
     cmd_bench_make_model,
+    cmd_bench_peak,
     cmd_bench_perplexity,
     cmd_bench_serving,
     cmd_bench_speed,
@@ -81,6 +82,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--repeats", type=int, default=3)
     bsp.add_argument("--long", type=int, default=0, help="also a prompt of this many tokens and decode behind it")
     bsp.set_defaults(func=cmd_bench_speed)
+    bpk = bench_sub.add_parser("peak", help="the batched linears of a model shape against the measured int8 peak")
+    bpk.add_argument("--shape", default="minicpm5-2b", help="a shape of `bench make-model` (its layer's linears)")
+    bpk.add_argument("--m", default="16,512", help="rows per call, comma-separated")
+    bpk.add_argument("--group", type=int, default=128, help="W4A8's group size (a multiple of 32 dividing every K)")
+    bpk.add_argument("--threads", type=int, default=2)
+    bpk.set_defaults(func=cmd_bench_peak)
     mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
     mm.add_argument("out_dir")
     mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")
