@@ -154,6 +154,27 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_gguf_types(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpuserve.bench.gguf_types import FTYPES, compare, type_files
+
+    types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
+    unknown = [t for t in types if t not in FTYPES]
+    if unknown:
+        raise CpuserveError(f"--types {','.join(unknown)}: expected some of {','.join(FTYPES)}")
+    extra = {}
+    for item in args.file:
+        label, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            raise CpuserveError(f"--file {item!r}: expected LABEL=FILE.gguf, an existing file")
+        extra[label] = Path(path)
+    torch.set_num_threads(args.threads)
+    files = type_files(Path(args.work), args.llamacpp_python, types, args.threads) | extra
+    print(compare(files, args.llamacpp_python, Path(args.text), args.ctx, args.threads))
+    return 0
+
+
 def cmd_bench_peak(args: argparse.Namespace) -> int:
     import torch
 

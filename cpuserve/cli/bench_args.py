@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from cpuserve.bench.gguf_types import FTYPES
 from cpuserve.cli.bench import (
     cmd_bench_cluster,
     cmd_bench_engine,
     cmd_bench_export_gguf,
+    cmd_bench_gguf_types,
     cmd_bench_itl,
     cmd_bench_load,
     cmd_bench_make_model,
@@ -82,6 +84,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsp.add_argument("--repeats", type=int, default=3)
     bsp.add_argument("--long", type=int, default=0, help="also a prompt of this many tokens and decode behind it")
     bsp.set_defaults(func=cmd_bench_speed)
+    bgt = bench_sub.add_parser("gguf-types", help="per GGUF type: cpuserve and llama.cpp perplexity on the same file")
+    bgt.add_argument("--llamacpp-python", required=True, help="a python with llama-cpp-python installed")
+    bgt.add_argument("--work", default="benchmarks/.work/gguf-types", help="where the quantized files are kept")
+    bgt.add_argument("--types", default=",".join(FTYPES), help="llama.cpp file types of SmolLM2, comma-separated")
+    bgt.add_argument("--file", action="append", default=[], help="LABEL=FILE.gguf compared as it is (repeatable)")
+    bgt.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    bgt.add_argument("--ctx", type=int, default=512)
+    bgt.add_argument("--threads", type=int, default=2)
+    bgt.set_defaults(func=cmd_bench_gguf_types)
     bpk = bench_sub.add_parser("peak", help="the batched linears of a model shape against the measured int8 peak")
     bpk.add_argument("--shape", default="minicpm5-2b", help="a shape of `bench make-model` (its layer's linears)")
     bpk.add_argument("--m", default="16,512", help="rows per call, comma-separated")
