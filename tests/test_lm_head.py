@@ -43,3 +43,22 @@ def test_quantized_head_stays_close_to_the_float_head(smol_dir, reference, kind)
 def test_an_unknown_head_kind_is_refused(smol_dir):
     with pytest.raises(ConfigError, match="expected one of int8, int4"):
         load_model(smol_dir, "float32", quantize_lm_head="int3")
+
+
+def test_an_untied_head_is_quantized_from_its_own_float_weight(tmp_path):
+    """An untied float head is packed to float panels like any float linear, except when it is to be
+    quantized (the default on the kernels): then it must still hold its weight (the MiniCPM5-2B shape
+    failed to load with the int8 head default before)."""
+    from cpuserve.quant.methods import select_kernel
+    from tests.test_architectures import TINY, _make
+
+    _make("llama-untied", tmp_path)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
+    ref = load_model(tmp_path, "float32")(ids)[0]
+    model = load_model(tmp_path, "float32", quantize_lm_head="int8")
+    assert model.lm_head.quant.bits == 8
+    assert (model.lm_head.kernel is not None) == (select_kernel() is not None)
+    got = model(ids)[0]
+    # int8 per output channel, int8 activations per token: about 1% of the logits' scale
+    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

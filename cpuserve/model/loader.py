@@ -183,7 +183,11 @@ def load_model(
                 if layer.bias is not None:
                     bias = f"{prefix}.bias"
                     layer.load_bias(i, fetch_float(ckpt, bias, tensors[bias]))
-            layer.method.process_weights_after_loading(layer, kernel if layer.quant else dense_kernel)  # packed once
+            # packed once; an untied float head that is to be quantized keeps its weight for that
+            keep_float = name == "lm_head" and bool(quantize_lm_head) and layer.quant is None
+            layer.method.process_weights_after_loading(
+                layer, kernel if layer.quant else None if keep_float else dense_kernel
+            )
             bar.update()
         bar.close()
     result = model.load_state_dict(state, strict=False, assign=True)
