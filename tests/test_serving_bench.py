@@ -15,7 +15,7 @@ def test_tok_s_ttft_percentiles_and_the_ratio_column():
     table = render_table([ServingResult("m", {"decode-heavy": [ours]}, {"decode-heavy": [peer]})])
     assert "| m | decode-heavy | 4 | 128.0 | 64.0 | 2.00x | 0.50 / 0.90 s | 1.00 / 1.00 s |" in table
     alone = render_table([ServingResult("m", {"decode-heavy": [Point(1, errors=["HTTP 500: x"])]}, None)])
-    assert "| - | - |" in alone and "error: HTTP 500: x" in alone
+    assert "| - | - |" in alone and "error: cpuserve, m, decode-heavy, 1 streams: HTTP 500: x" in alone
 
 
 def test_prompts_avoid_both_ends_of_the_vocabulary_and_repeat_per_seed():

@@ -205,7 +205,13 @@ def render_table(results: list[ServingResult]) -> str:
                     f"| {result.label} | {name} | {p.streams} | {p.tok_s:.1f} | {peer} | {ratio} "
                     f"| {p.ttft_pct(0.5):.2f} / {p.ttft_pct(0.9):.2f} s | {peer_ttft} |"
                 )
-        errors += [e for pts in [result.ours, result.peer or {}] for ps in pts.values() for p in ps for e in p.errors]
+        errors += [
+            f"{engine}, {result.label}, {name}, {p.streams} streams: {e}"
+            for engine, pts in (("cpuserve", result.ours), ("llama-server", result.peer or {}))
+            for name, ps in pts.items()
+            for p in ps
+            for e in p.errors
+        ]
     scaling = [line for result in results for line in _scaling(result)]
     lines += (["", *scaling] if scaling else []) + [f"error: {e}" for e in errors[:10]]
     return "\n".join(lines)
