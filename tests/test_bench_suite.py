@@ -47,3 +47,16 @@ def test_the_long_prompt_gets_its_own_table_ratios_and_bars():
     assert "decode **1.50x**; pp4096 **2.00x**, decode at 4096 **0.80x**" in text
     svg = plot_svg(result)
     assert svg.count("<rect") == 5 + 5 and ">2.00<" in svg and ">0.80<" in svg
+
+
+def test_the_legend_fits_the_plot_with_few_pairs():
+    import re
+
+    result = _result()
+    result.long = 4096
+    for label in ("A W4A8", "A Q4_0"):
+        result.pairs[0].medians[label].update({"pp4096": 100.0, "tg4096": 10.0})
+    svg = plot_svg(result)
+    width = int(re.search(r'<svg[^>]* width="(\d+)"', svg).group(1))
+    last_legend_x = max(int(x) for x in re.findall(r'<text x="(\d+)" y="354">', svg))
+    assert last_legend_x + len("decode at 4096") * 7 <= width

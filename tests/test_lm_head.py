@@ -52,12 +52,14 @@ def test_an_untied_head_is_quantized_from_its_own_float_weight(tmp_path):
     from cpuserve.quant.methods import select_kernel
     from tests.test_architectures import TINY, _make
 
+    if select_kernel() is None:
+        pytest.skip("the bug needs the native kernels (float panels)")
     _make("llama-untied", tmp_path)
     ids = torch.randint(0, TINY["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
     ref = load_model(tmp_path, "float32")(ids)[0]
     model = load_model(tmp_path, "float32", quantize_lm_head="int8")
     assert model.lm_head.quant.bits == 8
-    assert (model.lm_head.kernel is not None) == (select_kernel() is not None)
+    assert model.lm_head.kernel is not None
     got = model(ids)[0]
     # int8 per output channel, int8 activations per token: about 1% of the logits' scale
     assert (got - ref).abs().max() <= 0.03 * ref.abs().max()

@@ -30,16 +30,21 @@ def type_files(work: Path, llamacpp_python: str, types: list[str], threads: int)
 
     work.mkdir(parents=True, exist_ok=True)
     f16 = work / "smol-f16.gguf"
-    if not f16.exists():
+    if not f16.exists():  # written beside, then renamed: an interrupted export is never reused
         _say(f"exporting the bundled SmolLM2 at F16 -> {f16}")
-        export_gguf(resolve_hf_model(None), f16, "f16", bundled_gguf())
+        export_gguf(resolve_hf_model(None), f16.with_suffix(".tmp"), "f16", bundled_gguf())
+        f16.with_suffix(".tmp").rename(f16)
     files = {}
     for kind in types:
         out = work / f"smol-{kind.lower()}.gguf"
         if not out.exists():
             _say(f"llama.cpp quantizing {f16.name} -> {out.name}")
-            cmd = [llamacpp_python, str(QUANTIZE_SCRIPT), str(f16), str(out), str(FTYPES[kind]), str(threads)]
-            subprocess.run(cmd, check=True, capture_output=True)
+            partial = out.with_suffix(".tmp")
+            cmd = [llamacpp_python, str(QUANTIZE_SCRIPT), str(f16), str(partial), str(FTYPES[kind]), str(threads)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"llama.cpp could not quantize to {kind}: {done.stderr.strip()[-800:]}")
+            partial.rename(out)
         files[f"SmolLM2-135M {kind}"] = out
     return files
 

@@ -226,7 +226,7 @@ def _scaling(result: ServingResult, many: int = 8) -> list[str]:
 
     return [
         f"- {result.label}, {name}: {many} streams / 1 stream = cpuserve **{ratio(points)}**"
-        + (f", llama-server {ratio(result.peer[name])}" if result.peer else "")
+        + (f", llama-server {ratio(result.peer[name])}" if result.peer and name in result.peer else "")
         for name, points in result.ours.items()
         if any(p.streams == many for p in points)
     ]

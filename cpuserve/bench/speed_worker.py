@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -57,7 +58,7 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def _decode_rate(model, cache, tokens: int) -> float:
+def _decode_rate(model: Any, cache: Any, tokens: int) -> float:
     """Greedy single-token steps behind what `cache` holds: tokens per second."""
     import torch
 

@@ -78,7 +78,9 @@ def plot_svg(result: SpeedResult) -> str:
     values = [[ratios(pair, result.prompt, result.long)[key] for key, _ in metrics] for pair in result.pairs]
     top = max(2.0, max(max(v) for v in values) * 1.15)
     group = 40 * len(metrics) + 40
-    width, height, left, bottom, plot_h = group * len(values) + 120, 360, 60, 300, 260
+    left = 60
+    # room for every pair's bars and for the legend (130 px an entry)
+    width, height, bottom, plot_h = max(group * len(values), 130 * len(metrics) + 90) + 120, 360, 300, 260
     scale = plot_h / top
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '

@@ -186,9 +186,11 @@ def cmd_bench_peak(args: argparse.Namespace) -> int:
     try:
         ms = tuple(int(m) for m in args.m.split(","))
     except ValueError:
-        raise CpuserveError(f"--m {args.m!r}: expected rows per call, comma-separated (16,512)") from None
+        ms = ()
+    if not ms or min(ms) < 1:
+        raise CpuserveError(f"--m {args.m!r}: expected rows per call (at least 1), comma-separated (16,512)")
     for name, _, k in model_linears(SHAPES[args.shape]):
-        if args.group % 32 or k % args.group:
+        if args.group < 32 or args.group % 32 or k % args.group:
             raise CpuserveError(f"--group {args.group}: {args.shape}'s {name} has K = {k}, not a multiple of it")
     torch.set_num_threads(args.threads)
     schemes = ((f"W4A8-G{args.group}", 4, args.group), ("W8A8", 8, None))

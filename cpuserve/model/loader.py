@@ -186,7 +186,7 @@ def load_model(
             # packed once; an untied float head that is to be quantized keeps its weight for that
             keep_float = name == "lm_head" and bool(quantize_lm_head) and layer.quant is None
             layer.method.process_weights_after_loading(
-                layer, kernel if layer.quant else None if keep_float else dense_kernel
+                layer, kernel if layer.quant else (None if keep_float else dense_kernel)
             )
             bar.update()
         bar.close()

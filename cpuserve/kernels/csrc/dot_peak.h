@@ -1,6 +1,6 @@
-// The int8 multiply-add peak of each variant's dot-product instruction sequence (the one its linear
-// kernels are built on), measured rather than taken from a datasheet: a loop of independent dot
-// steps on all-ones operands, so every multiply-add adds exactly 1 to some accumulator lane and the
+// The int8 multiply-add peak of each variant's fastest dot step (the instruction sequence its linear
+// kernels are built on), measured rather than taken from a datasheet: a loop of independent steps on
+// all-ones operands, so every multiply-add adds exactly 1 to some accumulator lane and the
 // lanes' sum is the number of multiply-adds done (checked by the tests and kernel_check). The
 // benchmark divides a linear's multiply-adds per second by this loop's (bench/peak.py).
 #pragma once

@@ -314,17 +314,16 @@ void check_floats(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k) {
 
 // The dot-peak loop does the multiply-adds it claims: with all-ones operands the lanes' sum is the
 // count, rounds * dot_peak_macs (what the benchmark divides by time).
-bool dot_peak_counts(const Variant& v) {
+void dot_peak_counts(const Variant& v) {
   for (int64_t rounds : {1, 7, 1000}) {
     const int64_t got = v.dot_peak(rounds), want = rounds * v.dot_peak_macs;
     if (got != want) {
       std::printf("FAILED %s dot_peak(%ld): lanes sum to %ld, expected %ld\n", v.name, long(rounds), long(got),
                   long(want));
       ++failures;
-      return false;
+      return;
     }
   }
-  return true;
 }
 
 const char* int4_name(cpk::Int4Layout l) {
@@ -360,7 +359,7 @@ int main(int argc, char** argv) {
   for (const Variant* v : todo) {
     const long before = checks;
     const int failed_before = failures;
-    dot_peak_counts(*v);
+    if (v->dot_peak != nullptr) dot_peak_counts(*v);  // a twin row named on the command line has none
     for (int64_t m = 1; m <= 17; ++m)
       for (int64_t n : ns)
         for (int64_t k : ks)

@@ -6,6 +6,9 @@
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
+#include <climits>
+
 #include "float_panels.h"
 #include "linear_driver.h"
 #include "ops.h"
@@ -226,6 +229,8 @@ const Variant& variant(const std::string& name) {
 int64_t dot_peak(const Variant& v, int64_t rounds) {
   TORCH_CHECK(v.dot_peak != nullptr, "dot_peak: ", v.name, " has no peak loop (a twin row)");
   TORCH_CHECK(cpk::runs_here(v), "dot_peak: this CPU cannot run ", v.name);
+  // each round adds at most 8 to an int32 lane (avx2 and i8mm; 4 elsewhere)
+  TORCH_CHECK(rounds >= 0 && rounds <= INT32_MAX / 8, "dot_peak: rounds must be in [0, ", INT32_MAX / 8, "]");
   const cpk::Parallel par = torch_parallel();
   std::atomic<int64_t> total{0};
   par.for_range(0, par.threads, 1, [&](int64_t b, int64_t e) {

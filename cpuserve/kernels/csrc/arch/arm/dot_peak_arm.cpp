@@ -1,10 +1,11 @@
-// The Arm dot-peak loops (dot_peak.h): 12 independent accumulators. neon has no int8 dot
-// instruction: smull + sadalp, as its kernels (8 multiply-adds per pair); dotprod one sdot (16);
-// i8mm one smmla (a 2x8 by 8x2 tile: 32). Each step is one volatile asm statement on a local
+// The Arm dot-peak loops (dot_peak.h): each the int8 step its variant's kernels use, in 12
+// independent chains. neon has no int8 dot instruction: smull + smlal + sadalp, as its kernels (16
+// multiply-adds per step); dotprod one sdot (16); i8mm one smmla (a 2x8 by 8x2 tile: 32). Each step is one volatile asm statement on a local
 // accumulator: exactly the named instructions, none merged or dropped (as the x86 loops).
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
+#include "dotprod.h"
 #include "kernels.h"
 
 namespace cpk {
@@ -35,14 +36,15 @@ namespace cpk {
 
 int64_t dot_peak_neon(int64_t rounds) {
   int16x8_t t;
-  CPK_ARM_PEAK_12("smull %[t].8h, %[a].8b, %[a].8b\n\tsadalp %[c].4s, %[t].8h", , [t] "=&w"(t));
+  CPK_ARM_PEAK_12("smull %[t].8h, %[a].8b, %[a].8b\n\tsmlal2 %[t].8h, %[a].16b, %[a].16b\n\tsadalp %[c].4s, %[t].8h", ,
+                  [t] "=&w"(t));
 }
 
-__attribute__((target("arch=armv8.2-a+dotprod"))) int64_t dot_peak_neon_dotprod(int64_t rounds) {
+__attribute__((target(CPK_DOTPROD_TARGET))) int64_t dot_peak_neon_dotprod(int64_t rounds) {
   CPK_ARM_PEAK_12("sdot %[c].4s, %[a].16b, %[a].16b");
 }
 
-__attribute__((target("arch=armv8.2-a+dotprod+i8mm"))) int64_t dot_peak_neon_i8mm(int64_t rounds) {
+__attribute__((target(CPK_I8MM_TARGET))) int64_t dot_peak_neon_i8mm(int64_t rounds) {
   CPK_ARM_PEAK_12("smmla %[c].4s, %[a].16b, %[a].16b");
 }
 

@@ -9,6 +9,7 @@
 namespace cpk {
 
 #define CPK_DOTPROD_TARGET "arch=armv8.2-a+dotprod"
+#define CPK_I8MM_TARGET "arch=armv8.2-a+dotprod+i8mm"
 __attribute__((target(CPK_DOTPROD_TARGET))) inline int32_t dot_i8_dotprod(const int8_t* a, const int8_t* w,
                                                                           int64_t k) {
   int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);

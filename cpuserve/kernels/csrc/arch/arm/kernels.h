@@ -18,6 +18,6 @@ void float_linear_neon(const FloatArgs& a, int64_t p0, int64_t p1);
 int64_t dot_peak_neon(int64_t rounds);
 int64_t dot_peak_neon_dotprod(int64_t rounds);
 int64_t dot_peak_neon_i8mm(int64_t rounds);
-constexpr int64_t kDotPeakNeonMacs = 12 * 8, kDotPeakDotprodMacs = 12 * 16, kDotPeakI8mmMacs = 12 * 32;
+constexpr int64_t kDotPeakNeonMacs = 12 * 16, kDotPeakDotprodMacs = 12 * 16, kDotPeakI8mmMacs = 12 * 32;
 
 }  // namespace cpk

@@ -15,7 +15,6 @@ namespace {
 
 // smmla multiplies a 2x8 int8 block (two activation rows) by the transpose of another 2x8 block (two
 // weight rows) into a 2x2 int32 tile: 32 multiply-adds per instruction, twice sdot's.
-#define CPK_I8MM_TARGET "arch=armv8.2-a+dotprod+i8mm"
 __attribute__((target(CPK_I8MM_TARGET))) inline int8x16_t rows8(const int8_t* r0, const int8_t* r1) {
   return vcombine_s8(vld1_s8(r0), vld1_s8(r1));
 }

@@ -1,10 +1,12 @@
-// The x86 dot-peak loops (dot_peak.h): 12 independent accumulators, enough to cover vpdpbusd's
-// latency at its throughput. avx2 has no int8 dot instruction: vpmaddubsw + vpmaddwd by ones +
-// vpaddd, the sequence its kernels use (32 multiply-adds per ymm), in 8 chains (only the 1-cycle add
-// is loop-carried; 8 accumulators, the operands and a temporary fit the 16 ymm registers); the VNNI
-// variants one vpdpbusd (32 per ymm, 64 per zmm). Each step is one volatile asm statement on a local
-// accumulator: exactly the named instructions, none merged or dropped, no spills or register copies
-// (GCC keeps an accumulator array in memory, and copies around intrinsic vpdpbusd in a loop).
+// The x86 dot-peak loops (dot_peak.h): each the fastest int8 step its variant's kernels use, in
+// independent chains. avx2 has no int8 dot instruction: its W4A8 step, two vpmaddubsw summed in 16
+// bits (vpaddw), then vpmaddwd by ones and vpaddd (64 multiply-adds per ymm step; W8A8's step adds a
+// vpsignb and sums 32), in 8 chains (only the 1-cycle add is loop-carried; 8 accumulators, the
+// operands and two temporaries fit the 16 ymm registers). The VNNI variants: one vpdpbusd (32 per
+// ymm, 64 per zmm) in 12 chains, enough to cover its latency at its throughput. Each step is one
+// volatile asm statement on a local accumulator: exactly the named instructions, none merged or
+// dropped, no spills or register copies (GCC keeps an accumulator array in memory, and copies around
+// intrinsic vpdpbusd in a loop).
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -29,12 +31,14 @@ int64_t lane_sum(std::initializer_list<V> acc) {
 
 }  // namespace
 
-#define CPK_AVX2_STEP(acc)                                                                                 \
-  do {                                                                                                     \
-    __m256i t;                                                                                             \
-    asm volatile("vpmaddubsw %[a], %[a], %[t]\n\tvpmaddwd %[ones], %[t], %[t]\n\tvpaddd %[t], %[c], %[c]" \
-                 : [c] "+x"(acc), [t] "=&x"(t)                                                             \
-                 : [a] "x"(a), [ones] "x"(ones));                                                          \
+#define CPK_AVX2_STEP(acc)                                                                             \
+  do {                                                                                                 \
+    __m256i t, u;                                                                                      \
+    asm volatile(                                                                                      \
+        "vpmaddubsw %[a], %[a], %[t]\n\tvpmaddubsw %[a], %[a], %[u]\n\tvpaddw %[u], %[t], %[t]\n\t" \
+        "vpmaddwd %[ones], %[t], %[t]\n\tvpaddd %[t], %[c], %[c]"                                      \
+        : [c] "+x"(acc), [t] "=&x"(t), [u] "=&x"(u)                                                    \
+        : [a] "x"(a), [ones] "x"(ones));                                                               \
   } while (0)
 
 __attribute__((target("avx2,fma"))) int64_t dot_peak_avx2(int64_t rounds) {

@@ -30,6 +30,6 @@ void float_linear_avx512(const FloatArgs& a, int64_t p0, int64_t p1);
 int64_t dot_peak_avx2(int64_t rounds);
 int64_t dot_peak_avx_vnni(int64_t rounds);
 int64_t dot_peak_avx512_vnni(int64_t rounds);
-constexpr int64_t kDotPeakAvx2Macs = 8 * 32, kDotPeakAvxVnniMacs = 12 * 32, kDotPeakAvx512VnniMacs = 12 * 64;
+constexpr int64_t kDotPeakAvx2Macs = 8 * 64, kDotPeakAvxVnniMacs = 12 * 32, kDotPeakAvx512VnniMacs = 12 * 64;
 
 }  // namespace cpk
