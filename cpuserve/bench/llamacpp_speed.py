@@ -19,14 +19,7 @@ def main() -> None:
     path, prompt_tokens, decode_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     long_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     start = time.perf_counter()
-    llm = Llama(
-        model_path=path,
-        n_ctx=prompt_tokens + decode_tokens + 8,
-        n_batch=prompt_tokens,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
+    llm = _open(path, prompt_tokens, decode_tokens, threads, flash_attn=False)
     result = {"load_s": time.perf_counter() - start}
     ids = list(range(100, 100 + prompt_tokens))
     for n in (128, prompt_tokens):
@@ -41,20 +34,25 @@ def main() -> None:
     result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     if long_tokens:
         del llm
-        llm = Llama(
-            model_path=path,
-            n_ctx=long_tokens + decode_tokens + 8,
-            n_batch=long_tokens,
-            n_threads=threads,
-            n_threads_batch=threads,
-            flash_attn=True,
-            verbose=False,
-        )
+        llm = _open(path, long_tokens, decode_tokens, threads, flash_attn=True)
         t = time.perf_counter()
         llm.eval(list(range(100, 100 + long_tokens)))
         result[f"pp{long_tokens}"] = long_tokens / (time.perf_counter() - t)
         result[f"tg{long_tokens}"] = _decode_rate(llm, decode_tokens)
     print(json.dumps(result))
+
+
+def _open(path: str, prompt_tokens: int, decode_tokens: int, threads: int, flash_attn: bool) -> Llama:
+    """A context for one prompt of `prompt_tokens` in one batch and `decode_tokens` behind it."""
+    return Llama(
+        model_path=path,
+        n_ctx=prompt_tokens + decode_tokens + 8,
+        n_batch=prompt_tokens,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=flash_attn,
+        verbose=False,
+    )
 
 
 def _decode_rate(llm: Llama, tokens: int) -> float:
