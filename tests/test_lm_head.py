@@ -64,3 +64,44 @@ def test_an_untied_head_is_quantized_from_its_own_float_weight(tmp_path):
     # int8 per output channel, int8 activations per token: about 1% of the logits' scale
     assert (got - ref).abs().max() <= 0.03 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_minicpm5_layout_is_served_with_its_head_quantized_on_the_kernels(tmp_path, smol_dir):
+    """The reference's checkpoints have an untied float head (MiniCPM5-2B's layout, here at test size,
+    W4A8-G128 as the benchmark serves it). `cpuserve serve` starts it with the int8 head on the
+    kernels, and its greedy completion is the offline engine's on the same checkpoint; the head's
+    first-token distribution stays close to the float head's."""
+    import httpx
+
+    from cpuserve.bench.make_model import make_model
+    from cpuserve.bench.server_process import running_server
+    from cpuserve.engine.llm import LLM
+    from cpuserve.engine.sampling_params import SamplingParams
+    from cpuserve.offline.quantize import quantize_checkpoint
+    from cpuserve.quant.methods import select_kernel
+
+    if select_kernel() is None:
+        pytest.skip("the int8 head is the default only on the native kernels")
+    bf16 = make_model("minicpm5-tiny", tmp_path / "bf16", smol_dir, seed=5)
+    ckpt = tmp_path / "w4a8"
+    quantize_checkpoint(bf16, ckpt, "w4a8", 128, False)
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    offline = LLM(str(ckpt), dtype="float32", max_model_len=512).generate(prompt, params)[0].outputs[0]
+    args = [str(ckpt), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "tiny"]
+    log = tmp_path / "server.log"
+    with running_server(args, {"CPUSERVE_CACHE_DIR": str(tmp_path / "cache")}, log) as base:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{base}/v1/completions", json={**body, "logprobs": 1}, timeout=120).json()
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        chat_status = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=120).status_code
+    choice = reply["choices"][0]
+    assert choice["text"] == offline.text, (choice["text"], offline.text)
+    assert reply["usage"]["completion_tokens"] == 12 and chat_status == 200
+    assert "lm_head" in log.read_text()
+    # The int8 head's first token against the float head's distribution (same int4 body, float32).
+    float_head = LLM(str(ckpt), dtype="float32", max_model_len=512, quantize_lm_head="none")
+    ref = float_head.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0].outputs[0]
+    chosen, top = offline.token_ids[0], ref.logprobs[0].top
+    assert chosen in top, "the int8 head's greedy token is not among the float head's top 5"
+    assert abs(offline.logprobs[0].logprob - top[chosen]) < 0.1

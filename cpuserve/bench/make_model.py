@@ -37,6 +37,27 @@ SHAPES = {
         "eos_token_id": 1,
         "torch_dtype": "bfloat16",
     },
+    # MiniCPM5-2B's layout (untied float head, 8 query heads a KV head, head_dim 128, llama rope)
+    # at test size, with SmolLM2's vocabulary so the copied tokenizer covers every id.
+    "minicpm5-tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -101,7 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bpk.set_defaults(func=cmd_bench_peak)
     mm = bench_sub.add_parser("make-model", help="a checkpoint with a real model's shapes and random weights")
     mm.add_argument("out_dir")
-    mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | smollm2-135m")
+    mm.add_argument("--shape", default="minicpm5-2b", help="minicpm5-2b | minicpm5-tiny | smollm2-135m")
     mm.add_argument("--scheme", default="bf16", choices=["bf16", "w8a8", "w4a8"])
     mm.add_argument("--group-size", type=int, default=128, help="w4a8 group size (default 128, as the seed)")
     mm.add_argument("--pack", action="store_true", help="w4a8 as pack-quantized (as the reference image serves it)")
