@@ -4,6 +4,7 @@ unquantized head on real SmolLM2 weights and real text (measured: int8 (absmax s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,9 @@ def test_the_minicpm5_layout_is_served_with_its_head_quantized_on_the_kernels(tm
     choice = reply["choices"][0]
     assert choice["text"] == offline.text, (choice["text"], offline.text)
     assert reply["usage"]["completion_tokens"] == 12 and chat_status == 200
-    assert "lm_head" in log.read_text()
+    text = log.read_text()
+    assert "lm_head quantized to W8A8" in text, text[-2000:]  # the untied float head, quantized at load
+    assert re.search(r"quantized linears: native \w+ \((\d+)/\1 layers", text), text[-2000:]  # all on kernels
     # The int8 head's first token against the float head's distribution (same int4 body, float32).
     float_head = LLM(str(ckpt), dtype="float32", max_model_len=512, quantize_lm_head="none")
     ref = float_head.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0].outputs[0]
