@@ -92,13 +92,21 @@ def _stream_chat(prompt: str, max_tokens: int) -> dict:
     }
 
 
-async def _read_stream(client: httpx.AsyncClient, base: str, body: dict) -> dict:
-    """One streamed request: its content, finish reason, usage, and any error event; checks the framing."""
+async def _read_stream(
+    client: httpx.AsyncClient, base: str, body: dict, generating: asyncio.Event | None = None
+) -> dict:
+    """One streamed request: its content, finish reason, usage, and any error event; checks the framing.
+    `generating` is set once its second event (the first token after the role) has arrived."""
     async with client.stream("POST", base + "/v1/chat/completions", headers=AUTH, json=body) as r:
         if r.status_code != 200:
             return {"status": r.status_code, "error": json.loads(await r.aread())["error"]}
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        events = []
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if generating is not None and len(events) == 2:
+                    generating.set()
     assert events[-1] == "[DONE]", events[-3:]
     result: dict = {"status": 200, "content": "", "finish": None, "usage": None, "error": None}
     for raw in events[:-1]:
@@ -187,6 +195,9 @@ def test_repeated_long_prefix_lands_on_one_replica(cluster: tuple[str, subproces
     assert f'replica="{winner}"' in metrics  # each replica's own metrics, labelled
 
 
+PLAIN_TOKENS = 192
+
+
 def test_replica_killed_under_load(cluster: tuple[str, subprocess.Popen]) -> None:
     base, _ = cluster
     replicas = _health(base)[1]["replicas"]
@@ -194,17 +205,24 @@ def test_replica_killed_under_load(cluster: tuple[str, subprocess.Popen]) -> Non
 
     async def run() -> tuple[list[dict], list[httpx.Response]]:
         async with httpx.AsyncClient(timeout=180) as client:
-            streams = [_read_stream(client, base, _stream_chat(f"Tell a long story {i}.", 96)) for i in range(12)]
+            generating = [asyncio.Event() for _ in range(12)]
+            streams = [
+                _read_stream(client, base, _stream_chat(f"Tell a long story {i}.", 96), generating[i])
+                for i in range(12)
+            ]
             plain = [
                 client.post(
                     base + "/v1/chat/completions",
                     headers=AUTH,
-                    json={**_stream_chat(f"Count {i}.", 48), "stream": False},
+                    json={**_stream_chat(f"Count {i}.", PLAIN_TOKENS), "stream": False},
                 )
                 for i in range(8)
             ]
             tasks = [asyncio.ensure_future(j) for j in [*streams, *plain]]
-            await asyncio.sleep(3)  # every request is running on one replica or the other
+            # Killed once every stream is generating: the non-streamed requests, sent with them and
+            # twice as long, are then running on both replicas (least loaded: four each). A fixed
+            # wait let them finish first on a fast host, and then none had its replica die under it.
+            await asyncio.wait_for(asyncio.gather(*(g.wait() for g in generating)), timeout=120)
             os.kill(victim["pid"], signal.SIGKILL)
             done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)  # nothing hangs
             return done[:12], done[12:]
@@ -219,7 +237,7 @@ def test_replica_killed_under_load(cluster: tuple[str, subprocess.Popen]) -> Non
             assert r["finish"] == "length" and r["usage"]["completion_tokens"] == 96
     for r in plain:  # had produced nothing when their replica died: answered by the other one
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 48
+        assert r.json()["usage"]["completion_tokens"] == PLAIN_TOKENS
     for i in range(4):  # later requests are answered
         r = httpx.post(
             base + "/v1/completions", headers=AUTH, json={"prompt": f"After {i}", "max_tokens": 4}, timeout=60
