@@ -60,3 +60,17 @@ def test_the_legend_fits_the_plot_with_few_pairs():
     width = int(re.search(r'<svg[^>]* width="(\d+)"', svg).group(1))
     last_legend_x = max(int(x) for x in re.findall(r'<text x="(\d+)" y="354">', svg))
     assert last_legend_x + len("decode at 4096") * 7 <= width
+
+
+def test_gguf_file_bars_are_judged_from_the_medians():
+    from cpuserve.bench.gguf_files import render_bars
+
+    ours = {"load_s": 9.0, "pp128": 110.0, "pp512": 100.0, "tg": 16.0, "peak_rss_mb": 3300.0}
+    theirs = {"load_s": 1.0, "pp128": 60.0, "pp512": 50.0, "tg": 20.0, "peak_rss_mb": 3000.0}
+    labels = ("2B Q4_0: cpuserve", "2B Q4_0: llama.cpp")
+    pair = PairResult(*labels, dict(zip(labels, (ours, theirs), strict=True)), dict.fromkeys(labels, 10**9))
+    result = SpeedResult(threads=2, bandwidth_gbs=20.0, prompt=512, decode=128, repeats=3, pairs=[pair])
+    row = render_bars(result).splitlines()[2]
+    assert row == (
+        "| 2B Q4_0 | 1.10x (at most 1.15x: met) | 0.80x (at least 1.0x: **not met**) | 2.00x (at least 1.5x: met) |"
+    )

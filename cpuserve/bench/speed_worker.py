@@ -1,6 +1,6 @@
 """One engine's single-stream speed, in its own process (so peak RSS is its own). Prints JSON.
 
-python -m cpuserve.bench.speed_worker MODEL_DIR PROMPT_TOKENS DECODE_TOKENS [LONG_TOKENS]
+python -m cpuserve.bench.speed_worker MODEL_DIR_OR_GGUF PROMPT_TOKENS DECODE_TOKENS [LONG_TOKENS]
 
 LONG_TOKENS (0: skip): after the rest and after peak RSS is read, a prompt of that many tokens
 (pp<LONG>) and DECODE_TOKENS decoded behind it (tg<LONG>), in a cache of its own.
@@ -28,6 +28,10 @@ def main() -> None:
 
     # CPUSERVE_QUANTIZE_LM_HEAD (the suite sets it) is read with the other overrides, as serve does.
     head = lm_head_setting(None, read_overrides(os.environ).quantize_lm_head)
+    if model_dir.suffix == ".gguf":  # served as it is, as `cpuserve serve file.gguf` does
+        from cpuserve.model.resolve import resolve_model
+
+        model_dir = resolve_model(str(model_dir))
     model = load_model(model_dir, "auto", quantize_lm_head=head)
     load_s = time.perf_counter() - start
     from cpuserve.quant.linear import Linear

@@ -3,8 +3,11 @@ engines (once; kept in the work directory), measures cpuserve W4A8 against llama
 cpuserve W8A8 against Q8_0 on SmolLM2-135M and on the MiniCPM5-2B shape, and writes the table and a
 plot into docs/.
 
-python -m cpuserve.bench.suite --work DIR --llamacpp-python PY [--repeats 3] [--only smol|2b]
+python -m cpuserve.bench.suite --work DIR --llamacpp-python PY [--repeats 3] [--only smol|2b|gguf]
     [--llama-server BIN [--as-avx2]] [--no-serving]
+
+Family `gguf` (bench/gguf_files.py): the same GGUF files (the 2B shape at Q4_0 and Q4_K_M, Gemma 3
+270M Q4_K_M) served by cpuserve as they are and by llama.cpp, against issue 18's bars.
 
 With --llama-server, the serving comparison too (bench/serving_bench.py): the bundled SmolLM2 GGUF
 for both servers, and the 2B shape's W4A8 against its Q4_0 GGUF. --as-avx2 runs only that, with
@@ -222,13 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--long", type=int, default=4096, help="a long prompt's tokens, prefill and decode (0: skip)")
-    parser.add_argument("--only", choices=sorted(PAIRS), action="append", help="one model family (repeatable)")
+    parser.add_argument("--only", choices=[*sorted(PAIRS), "gguf"], action="append", help="one family (repeatable)")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/ alone")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary: the serving comparison too")
     parser.add_argument("--no-serving", action="store_true", help="skip the serving comparison")
     parser.add_argument("--as-avx2", action="store_true", help="only the serving comparison, held to AVX2")
     args = parser.parse_args(argv)
-    families = args.only or ["smol", "2b"]
+    families = [f for f in args.only or [*PAIRS, "gguf"] if f in PAIRS]
+    gguf_family = "gguf" in (args.only or ["gguf"])
     only = "".join(f" --only {f}" for f in args.only or [])
     serving = args.llama_server is not None and not args.no_serving
     if args.as_avx2:
@@ -242,6 +246,35 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_docs:
             write_serving_docs(report, f"benchmarks/run --as-avx2{only}", True, args.threads)
         return 0
+    if families:
+        run_speed(args, families, only)
+    if gguf_family:
+        run_gguf_files(args, only)
+    if serving and families:
+        report = run_serving(args.work, families, args.llama_server, args.threads, False)
+        print(report)
+        if not args.no_docs:
+            write_serving_docs(report, f"benchmarks/run{only}", False, args.threads)
+    return 0
+
+
+def run_gguf_files(args: argparse.Namespace, only: str) -> None:
+    """The same GGUF files, cpuserve and llama.cpp (needs the 2B source: prepared here if missing)."""
+    from cpuserve.bench import gguf_files
+    from cpuserve.bench.serving_bench import host_isa
+
+    prepare(args.work, "2b")
+    files = gguf_files.gguf_files(args.work, args.llamacpp_python, args.threads)
+    result = gguf_files.measure_files(files, args.llamacpp_python, args.threads, args.repeats, args.decode)
+    report = gguf_files.render_report(result, files, host_isa())
+    print(report)
+    if not args.no_docs:
+        command = f"benchmarks/run --repeats {args.repeats} --decode {args.decode}{only}"
+        gguf_files.write_docs(report, command, DOCS)
+
+
+def run_speed(args: argparse.Namespace, families: list[str], only: str) -> None:
+    """Our own checkpoints against llama.cpp's exports of the same weights, and the docs section."""
     pairs, sizes = [], {}
     for family in families:
         prepare(args.work, family)
@@ -267,12 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         command = f"benchmarks/run --repeats {args.repeats} --decode {args.decode} --long {args.long}{only}"
         write_docs(result, command, efficiency=efficiency)
         _say("wrote docs/benchmarks.md and docs/speed.svg")
-    if serving:
-        report = run_serving(args.work, families, args.llama_server, args.threads, False)
-        print(report)
-        if not args.no_docs:
-            write_serving_docs(report, f"benchmarks/run{only}", False, args.threads)
-    return 0
 
 
 if __name__ == "__main__":
