@@ -115,7 +115,9 @@ def test_every_variant_runs_every_type(kind, n, k):
             if layer.offsets is not None:  # one copy in memory: the kernels' [G, N], the [N, G] view of it
                 assert layer.kernel_offsets.shape == (layer.offsets.shape[1], n)
                 assert layer.offsets.data_ptr() == layer.kernel_offsets.data_ptr()
-            native_twin = reference_forward(x, layer.int_weight(), layer.scales, None, layer.offsets, True)
+            # one copy of the scales in memory, the kernel's: read back exactly in the checkpoint's order
+            assert layer.scales is None and torch.equal(layer.weight_scales(), reference_layer.scales), (kind, name)
+            native_twin = reference_forward(x, layer.int_weight(), layer.weight_scales(), None, layer.offsets, True)
             assert torch.equal(native_twin, ref)
             if variant.twin != variant:  # the SIMD kernel is bit-identical to its layout's scalar twin
                 twin_layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant.twin))

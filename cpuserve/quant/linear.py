@@ -40,6 +40,10 @@ class Linear(nn.Module):
         """A quantized layer's int8 values [N, K], whatever layout holds them."""
         return self.method.int_weight(self)
 
+    def weight_scales(self) -> torch.Tensor:
+        """A quantized layer's scales [N, G] in the checkpoint's order, whatever layout holds them."""
+        return self.method.weight_scales(self)
+
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])

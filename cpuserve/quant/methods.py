@@ -280,13 +280,13 @@ class IntWeightMethod:
                 layer.packed = mod.pack_int4(layer.qweight, variant)
             layer.qweight, layer.weight_words = None, None
             layer.packed_layout = mod.int4_layout(variant)
-            layer.kernel_scales = mod.pack_scales(layer.scales, variant)
+            layer.kernel_scales, layer.scales = mod.pack_scales(layer.scales, variant), None
         else:
             layer.packed_layout = mod.int8_layout(variant)
             if layer.packed_layout != "signed":  # "signed": the int8 rows as they are
                 layer.packed, layer.qweight = mod.pack_int8(layer.qweight, variant), None
             if self.quant.group_size:
-                layer.kernel_scales = mod.pack_scales(layer.scales, variant)
+                layer.kernel_scales, layer.scales = mod.pack_scales(layer.scales, variant), None
         if layer.offsets is not None:  # the kernels' order, [groups, N]; `offsets` stays a view of it
             layer.kernel_offsets = layer.offsets.t().contiguous()
             layer.offsets = layer.kernel_offsets.t()
@@ -302,10 +302,27 @@ class IntWeightMethod:
             return unpack_int8(layer.packed, layer.in_features, layer.packed_layout)
         return unpack_nibbles(layer.packed, layer.in_features, layer.packed_layout)
 
+    def weight_scales(self, layer: Any) -> torch.Tensor:
+        """The scales [N, G] in the checkpoint's order. Once packed, only the kernel's copy is kept (two
+        copies cost a 2B GGUF 333 MB) and this reads them back through its order: each position's
+        source index packed the same way (in two halves of 12 bits, each exact in float32; 0: padding)."""
+        if layer.scales is not None:
+            return layer.scales
+        n, groups = layer.out_features, self.groups(layer.in_features)
+        mod, variant = layer.kernel.kernels, layer.kernel.variant
+        index = torch.arange(1, n * groups + 1, dtype=torch.int64).view(n, groups)
+        high = mod.pack_scales((index >> 12).float(), variant).long()
+        low = mod.pack_scales((index & 4095).float(), variant).long()
+        source = (high << 12) | low
+        kept = source > 0
+        scales = torch.empty(n * groups, dtype=torch.float32)
+        scales[source[kept] - 1] = layer.kernel_scales.view(-1)[kept.view(-1)]
+        return scales.view(n, groups)
+
     def dequantized_weight(self, layer: Any) -> torch.Tensor:
         n, k = layer.out_features, layer.in_features
-        g = k // layer.scales.shape[1]
-        w = self.int_weight(layer).float().view(n, -1, g) * layer.scales.unsqueeze(-1)
+        scales = self.weight_scales(layer)
+        w = self.int_weight(layer).float().view(n, -1, k // scales.shape[1]) * scales.unsqueeze(-1)
         if layer.offsets is not None:
             w = w + layer.offsets.unsqueeze(-1)
         return w.view(n, k)
