@@ -126,7 +126,10 @@ def test_round_trip_each_layer_against_its_reference(smol_dir, quantized):
             assert isinstance(q, Linear) and q.quant is not None, (kind, name)
             bits, group = (4, 64) if kind.startswith("w4a8") else (8, None)
             want_q, want_scale = quantize_weight(ref_linear.weight.to(torch.bfloat16), WeightQuant(bits, group, False))
-            assert torch.equal(q.int_weight(), want_q) and torch.equal(q.weight_scales(), want_scale.float()), (kind, name)
+            assert torch.equal(q.int_weight(), want_q) and torch.equal(q.weight_scales(), want_scale.float()), (
+                kind,
+                name,
+            )
             out = q(xi)
             assert torch.allclose(out, reference_forward(xi, want_q, want_scale.float(), None), atol=1e-5, rtol=1e-5)
             rel = ((out - exact).norm() / exact.norm()).item()
