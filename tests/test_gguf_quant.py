@@ -168,3 +168,21 @@ def test_the_bundled_gguf_serves_on_the_kernels_close_to_its_float_weights(bundl
     # measured 0.008 with activations per group of 32 (0.157 with one int8 scale per token: SmolLM2's
     # outlier channels)
     assert kl < 0.03, kl
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_embedding_gives_the_float_tables_rows_exactly(kind, dtype):
+    """The table kept as in the file: each looked-up row bit-identical to the dequantized table's row in
+    the compute dtype (what the float table held), int4 types two values a byte."""
+    from cpuserve.model.quantized_embedding import QuantizedEmbedding
+
+    n, k = 70, 512
+    d = decode(kind, _random_blocks(kind, n, k, seed=11), n, k, "t")
+    table = torch.from_numpy(d.dequantized()).to(dtype)
+    embedding = QuantizedEmbedding(d.values, d.scales, d.offsets, dtype)
+    ids = torch.tensor([[0, 69, 5, 5], [33, 1, 68, 0]])
+    got = embedding(ids)
+    assert got.dtype == dtype and got.shape == (2, 4, k)
+    assert torch.equal(got, table[ids])
+    assert embedding.values.element_size() * embedding.values.numel() == n * k * SCHEMES[kind].bits // 8

@@ -245,6 +245,16 @@ class GGUFCheckpoint:
         self._decoded = (base, d)
         return d
 
+    def quantized_table(self, name: str) -> DecodedWeight | None:
+        """A float tensor the file holds quantized (the token embedding), as its decoded blocks, for a
+        model that keeps it so (model/quantized_embedding.py); None when the file holds it in float."""
+        base, part = self._virtual[name]
+        t = self.table[base]
+        if part != "float" or t.kind not in SCHEMES or len(t.shape) != 2:
+            return None
+        d = decode(t.kind, self._read(t), *t.shape, f"{self.path}: tensor '{t.gguf_name}'")
+        return DecodedWeight(self._rows_of(base, d.values), self._rows_of(base, d.scales), d.offsets, d.scheme)
+
     def get(self, name: str) -> torch.Tensor:
         base, part = self._virtual[name]
         t = self.table[base]

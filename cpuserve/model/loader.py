@@ -20,6 +20,7 @@ from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
+from cpuserve.model.quantized_embedding import QuantizedEmbedding
 from cpuserve.model.source import ModelSource
 from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tensors some exporters write that carry nothing the model needs.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
@@ -174,8 +176,13 @@ def load_model(
                 + f" for {spec.architecture}: does config.json describe this checkpoint?"
             )
         bar = tqdm(total=len(expected) + len(linears), desc="loading weights", unit="tensor", disable=not progress)
+        # A table the file holds quantized stays so (an untied one: a tied head reads the float table).
+        table = None
+        if not spec.tie_word_embeddings and EMBEDDING in expected and hasattr(ckpt, "quantized_table"):
+            table = ckpt.quantized_table(EMBEDDING)
         for name in expected:
-            state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
+            if name != EMBEDDING or table is None:
+                state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
             bar.update()
         for name, layer in linears.items():
             for i, (prefix, tensors) in enumerate(shards[name]):
@@ -192,6 +199,10 @@ def load_model(
         bar.close()
     result = model.load_state_dict(state, strict=False, assign=True)
     missing_keys = [k for k in result.missing_keys if k not in owned and not k.startswith("lm_head.")]
+    if table is not None:
+        missing_keys.remove(EMBEDDING)
+        model.model.embed_tokens = QuantizedEmbedding(table.values, table.scales, table.offsets, torch_dtype)
+        log.info("token embedding kept as in the file: %s", model.model.embed_tokens.extra_repr())
     if result.unexpected_keys or missing_keys:
         raise RuntimeError(f"internal: state dict mismatch {[*result.unexpected_keys, *missing_keys][:3]}")
     if spec.tie_word_embeddings:  # one tensor, not two copies
