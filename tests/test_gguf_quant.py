@@ -55,6 +55,23 @@ def test_decoded_blocks_equal_gguf_py_dequantize(kind):
     assert d.values.min() >= lo and d.values.max() <= hi and d.values.dtype == np.int8
 
 
+@pytest.mark.parametrize("kind", TYPES)
+def test_decoding_in_slices_of_blocks_is_decoding_whole(kind, monkeypatch):
+    """A table decoded a few blocks at a time (bounded temporaries) is the same as decoded at once,
+    with slices that end inside a row."""
+    from cpuserve.quant import gguf_blocks
+
+    n, k = 9, 768
+    raw = _random_blocks(kind, n, k, seed=7)
+    whole = decode(kind, raw, n, k, "test")
+    monkeypatch.setattr(gguf_blocks, "DECODE_CHUNK_WEIGHTS", 5 * SCHEMES[kind].block_weights)
+    sliced = decode(kind, raw, n, k, "test")
+    assert np.array_equal(sliced.values, whole.values) and np.array_equal(sliced.scales, whole.scales)
+    assert (sliced.offsets is None) == (whole.offsets is None)
+    if whole.offsets is not None:
+        assert np.array_equal(sliced.offsets, whole.offsets)
+
+
 def test_a_wrong_byte_count_names_the_tensor():
     raw = _random_blocks("Q4_0", 4, 64, seed=1)[:-1]
     with pytest.raises(CheckpointError, match=r"blk\.0\.attn_q\.weight.*bytes of Q4_0 data"):

@@ -177,11 +177,14 @@ def load_model(
             )
         bar = tqdm(total=len(expected) + len(linears), desc="loading weights", unit="tensor", disable=not progress)
         # A table the file holds quantized stays so (an untied one: a tied head reads the float table).
-        table = None
+        embedding = None
         if not spec.tie_word_embeddings and EMBEDDING in expected and hasattr(ckpt, "quantized_table"):
             table = ckpt.quantized_table(EMBEDDING)
+            if table is not None:  # built now: the decoded table goes before the linears load
+                embedding = QuantizedEmbedding(table.values, table.scales, table.offsets, torch_dtype)
+                del table
         for name in expected:
-            if name != EMBEDDING or table is None:
+            if name != EMBEDDING or embedding is None:
                 state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
             bar.update()
         for name, layer in linears.items():
@@ -199,9 +202,9 @@ def load_model(
         bar.close()
     result = model.load_state_dict(state, strict=False, assign=True)
     missing_keys = [k for k in result.missing_keys if k not in owned and not k.startswith("lm_head.")]
-    if table is not None:
+    if embedding is not None:
         missing_keys.remove(EMBEDDING)
-        model.model.embed_tokens = QuantizedEmbedding(table.values, table.scales, table.offsets, torch_dtype)
+        model.model.embed_tokens = embedding
         log.info("token embedding kept as in the file: %s", model.model.embed_tokens.extra_repr())
     if result.unexpected_keys or missing_keys:
         raise RuntimeError(f"internal: state dict mismatch {[*result.unexpected_keys, *missing_keys][:3]}")

@@ -27,8 +27,12 @@ class QuantizedEmbedding(nn.Module):
         q = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int8))
         self.nibbles = bool(q.numel()) and int(q.min()) >= -8 and int(q.max()) <= 7
         if self.nibbles:  # two values a byte: low nibble the even column, high the odd, each + 8
-            u = (q + 8).to(torch.uint8).view(self.num_embeddings, -1, 2)
-            q = u[..., 0] | (u[..., 1] << 4)
+            packed = torch.empty(self.num_embeddings, self.embedding_dim // 2, dtype=torch.uint8)
+            step = max(1, (1 << 22) // self.embedding_dim)  # rows at a time: small temporaries
+            for r0 in range(0, self.num_embeddings, step):
+                u = (q[r0 : r0 + step] + 8).view(torch.uint8).view(-1, self.embedding_dim // 2, 2)
+                packed[r0 : r0 + step] = u[..., 0] | (u[..., 1] << 4)
+            q = packed
         self.register_buffer("values", q.contiguous())
         self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)))
         offsets_t = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32))

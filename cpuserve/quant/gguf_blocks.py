@@ -23,6 +23,7 @@ from cpuserve.errors import CheckpointError
 
 QK = 32  # weights per block of the simple types
 QK_K = 256  # weights per super-block of the K-quants
+DECODE_CHUNK_WEIGHTS = 1 << 22  # weights decoded at a time
 
 
 @dataclass(frozen=True)
@@ -163,11 +164,20 @@ def decode(kind: str, raw: np.ndarray, rows: int, cols: int, what: str) -> Decod
         raise CheckpointError(
             f"{what}: {flat.size} bytes of {kind} data, expected {blocks * scheme.block_bytes} for [{rows}, {cols}]"
         )
-    values, scales, offsets = _decode_blocks(kind, flat.reshape(blocks, scheme.block_bytes))
     groups = cols // scheme.group
-    return DecodedWeight(
-        np.ascontiguousarray(values.reshape(rows, cols)),
-        np.ascontiguousarray(scales.reshape(rows, groups), dtype=np.float32),
-        None if offsets is None else np.ascontiguousarray(offsets.reshape(rows, groups), dtype=np.float32),
-        scheme,
-    )
+    values = np.empty((rows, cols), np.int8)
+    scales = np.empty((rows, groups), np.float32)
+    offsets = np.empty((rows, groups), np.float32) if scheme.offsets else None
+    # A slice of blocks at a time into the result: the decode's temporaries stay a few MB (whole, a
+    # 2B's Q6_K head made 800 MB of them, the load's peak).
+    per_block = scheme.block_weights // scheme.group
+    step = max(1, DECODE_CHUNK_WEIGHTS // scheme.block_weights)
+    by_block = flat.reshape(blocks, scheme.block_bytes)
+    for b0 in range(0, blocks, step):
+        b1 = min(blocks, b0 + step)
+        v, sc, off = _decode_blocks(kind, by_block[b0:b1])
+        values.reshape(-1)[b0 * scheme.block_weights : b1 * scheme.block_weights] = v.reshape(-1)
+        scales.reshape(-1)[b0 * per_block : b1 * per_block] = np.broadcast_to(sc, (b1 - b0, per_block)).reshape(-1)
+        if offsets is not None:
+            offsets.reshape(-1)[b0 * per_block : b1 * per_block] = off.reshape(-1)
+    return DecodedWeight(values, scales, offsets, scheme)
