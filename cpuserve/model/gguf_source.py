@@ -257,7 +257,8 @@ class GGUFCheckpoint:
         if part != "float" or t.kind not in SCHEMES or len(t.shape) != 2:
             return None
         d = decode(t.kind, self._read(t), *t.shape, f"{self.path}: tensor '{t.gguf_name}'")
-        return DecodedWeight(self._rows_of(base, d.values), self._rows_of(base, d.scales), d.offsets, d.scheme)
+        offsets = None if d.offsets is None else self._rows_of(base, d.offsets)
+        return DecodedWeight(self._rows_of(base, d.values), self._rows_of(base, d.scales), offsets, d.scheme)
 
     def get(self, name: str) -> torch.Tensor:
         base, part = self._virtual[name]

@@ -180,6 +180,11 @@ def load_model(
         embedding = None
         if not spec.tie_word_embeddings and EMBEDDING in expected and hasattr(ckpt, "quantized_table"):
             table = ckpt.quantized_table(EMBEDDING)
+            if table is not None and tuple(table.values.shape) != expected[EMBEDDING]:
+                raise CheckpointError(
+                    f"{ckpt.file_of(EMBEDDING)}: tensor '{EMBEDDING}' has shape {tuple(table.values.shape)}, "
+                    f"expected {expected[EMBEDDING]} from config.json"
+                )
             if table is not None:  # built now: the decoded table goes before the linears load
                 embedding = QuantizedEmbedding(table.values, table.scales, table.offsets, torch_dtype)
                 del table
