@@ -129,12 +129,14 @@ def test_every_variant_runs_every_type(kind, n, k):
             layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant))
             got = layer(x)
             assert (got - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-5, (kind, name, m)
-            if layer.offsets is not None:  # one copy in memory: the kernels' [G, N], the [N, G] view of it
-                assert layer.kernel_offsets.shape == (layer.offsets.shape[1], n)
-                assert layer.offsets.data_ptr() == layer.kernel_offsets.data_ptr()
+            if reference_layer.offsets is not None:  # one copy in memory: the driver's, read back exactly
+                assert layer.offsets is None and layer.kernel_offsets.numel() == reference_layer.offsets.numel()
+                assert torch.equal(layer.weight_offsets(), reference_layer.offsets), (kind, name)
             # one copy of the scales in memory, the kernel's: read back exactly in the checkpoint's order
             assert layer.scales is None and torch.equal(layer.weight_scales(), reference_layer.scales), (kind, name)
-            native_twin = reference_forward(x, layer.int_weight(), layer.weight_scales(), None, layer.offsets, True)
+            native_twin = reference_forward(
+                x, layer.int_weight(), layer.weight_scales(), None, layer.weight_offsets(), True
+            )
             assert torch.equal(native_twin, ref)
             if variant.twin != variant:  # the SIMD kernel is bit-identical to its layout's scalar twin
                 twin_layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant.twin))

@@ -44,6 +44,10 @@ class Linear(nn.Module):
         """A quantized layer's scales [N, G] in the checkpoint's order, whatever layout holds them."""
         return self.method.weight_scales(self)
 
+    def weight_offsets(self) -> torch.Tensor | None:
+        """A quantized layer's offsets [N, G] in the checkpoint's order, or None for a scheme without."""
+        return self.method.weight_offsets(self)
+
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])

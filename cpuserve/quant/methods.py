@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cpuserve.errors import CheckpointError
+from cpuserve.quant import offsets_layout
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.packing import unpack_int, unpack_int8, unpack_nibbles
 from cpuserve.quant.reference import reference_forward
@@ -170,8 +171,9 @@ class IntWeightMethod:
     From the checkpoint: `weight` int8 [N, K] (int-quantized) or `weight_packed` int32 words plus
     `weight_shape` (pack-quantized), `weight_scale` [N, G] and, with offsets, `weight_offset` [N, G].
     After processing, on a kernel: `packed` in the kernel's layout (`packed_layout`) and, for int4
-    and grouped int8, `kernel_scales` in its order, and `kernel_offsets` [G, N] (`offsets` then a
-    view of it); W8A8 on a kernel whose layout is the int8 rows themselves keeps `qweight`.
+    and grouped int8, `kernel_scales` in its order, and `kernel_offsets` in the driver's column chunks
+    (quant/offsets_layout.py; `offsets` then dropped); W8A8 on a kernel whose layout is the int8 rows
+    themselves keeps `qweight`.
     Without a kernel: `qweight` int8 [N, K] for the reference forward."""
 
     quant: WeightQuant
@@ -287,9 +289,8 @@ class IntWeightMethod:
                 layer.packed, layer.qweight = mod.pack_int8(layer.qweight, variant), None
             if self.quant.group_size:
                 layer.kernel_scales, layer.scales = mod.pack_scales(layer.scales, variant), None
-        if layer.offsets is not None:  # the kernels' order, [groups, N]; `offsets` stays a view of it
-            layer.kernel_offsets = layer.offsets.t().contiguous()
-            layer.offsets = layer.kernel_offsets.t()
+        if layer.offsets is not None:  # the driver's order; one copy kept (weight_offsets reads it back)
+            layer.kernel_offsets, layer.offsets = offsets_layout.to_chunks(layer.offsets), None
         layer.kernel = kernel
 
     def int_weight(self, layer: Any) -> torch.Tensor:
@@ -319,12 +320,19 @@ class IntWeightMethod:
         scales[source[kept] - 1] = layer.kernel_scales.view(-1)[kept.view(-1)]
         return scales.view(n, groups)
 
+    def weight_offsets(self, layer: Any) -> torch.Tensor | None:
+        """The offsets [N, G] in the checkpoint's order (None for a scheme without), whatever holds them."""
+        if layer.offsets is not None or layer.kernel_offsets is None:
+            return layer.offsets
+        return offsets_layout.from_chunks(layer.kernel_offsets, layer.out_features, self.groups(layer.in_features))
+
     def dequantized_weight(self, layer: Any) -> torch.Tensor:
         n, k = layer.out_features, layer.in_features
         scales = self.weight_scales(layer)
         w = self.int_weight(layer).float().view(n, -1, k // scales.shape[1]) * scales.unsqueeze(-1)
-        if layer.offsets is not None:
-            w = w + layer.offsets.unsqueeze(-1)
+        offsets = self.weight_offsets(layer)
+        if offsets is not None:
+            w = w + offsets.unsqueeze(-1)
         return w.view(n, k)
 
     def kernel_operands(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

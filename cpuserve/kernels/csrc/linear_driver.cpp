@@ -72,26 +72,36 @@ void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in,
 }
 
 // Output columns [c0, c1) += sa * sum_g offset[g, c] * sums[r, g]: the per-group additive term of
-// w = s * q + offset, in float, after the kernel. Group-major offsets, 16 neighbouring columns as
-// vector lanes (GCC/Clang vector extensions): each column's sum keeps its order over g, one mul, mul
-// and add a group (-ffp-contract=off), so every vector width gives the same bits as one column at a
-// time; a scalar chain of dependent adds per column made this term cost more than the int4 kernel
-// itself (SmolLM2 Q4_1: 18 groups a row).
+// w = s * q + offset, in float, after the kernel. Offsets in column chunks (offsets_index): the 16
+// columns of a chunk for every group in one contiguous run, so a chunk's pass streams its offsets
+// (group-major [G, N] made it read G rows n floats apart, a stream per group: 3x the int4 kernel's
+// time per byte at one token). 16 neighbouring columns as vector lanes (GCC/Clang vector
+// extensions): each column's sum keeps its order over g, one mul, mul and add a group
+// (-ffp-contract=off), so every vector width gives the same bits as one column at a time.
 constexpr int kColumns = 16;
+
+// Where offset (g, c) is: chunks of 16 columns [chunk][G][16], then the last n % 16 columns [G][tail].
+inline int64_t offsets_index(int64_t n, int64_t groups, int64_t g, int64_t c) {
+  const int64_t full = n / kColumns * kColumns;
+  if (c < full) return (c / kColumns) * kColumns * groups + g * kColumns + c % kColumns;
+  return full * groups + g * (n - full) + (c - full);
+}
 
 template <int L>  // floats a vector: 4 (SSE2, NEON), 8 (AVX2), 16 (AVX-512)
 __attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
   typedef float Lanes __attribute__((vector_size(L * sizeof(float))));
   constexpr int kVectors = kColumns / L;
+  const int64_t full = a.n / kColumns * kColumns;
   for (int64_t r = 0; r < a.m; ++r) {
     const int32_t* gs = a.sums + r * a.groups;
     const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
     float* out = a.out + r * a.n;
     int64_t c = c0;
-    for (; c + kColumns <= c1; c += kColumns) {
+    for (; c % kColumns == 0 && c + kColumns <= std::min(c1, full); c += kColumns) {
+      const float* chunk = a.offsets + c * a.groups;  // this chunk's [G][16]
       Lanes term[kVectors] = {};
       for (int64_t g = 0; g < a.groups; ++g) {
-        const float* off = a.offsets + g * a.n + c;
+        const float* off = chunk + g * kColumns;
         const float gsum = float(gs[g]);
         for (int i = 0; i < kVectors; ++i) {
           Lanes t;
@@ -106,10 +116,10 @@ __attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, in
         for (int j = 0; j < L; ++j) out[c + i * L + j] += term[i][j];
       }
     }
-    for (; c < c1; ++c) {  // the last columns, one at a time, the same operations
+    for (; c < c1; ++c) {  // columns outside whole chunks, one at a time, the same operations
       float term = 0.f;
       for (int64_t g = 0; g < a.groups; ++g) {
-        float t = a.offsets[g * a.n + c] * float(gs[g]);
+        float t = a.offsets[offsets_index(a.n, a.groups, g, c)] * float(gs[g]);
         if (sa != nullptr) t *= sa[g];
         term += t;
       }

@@ -24,7 +24,7 @@ struct LinearInput {
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
                  int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
 // W4A8: w in the variant's int4 layout, scales [N, groups] in the layout's order. out [M, N] fp32.
-// offsets (both): fp32 [groups, N], group-major (variant.h), or null.
+// offsets (both): fp32 groups x N in column chunks (variant.h), or null.
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
                  int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
 // act_groups: activations quantized per group of the weight's (one int8 scale per token and group,

@@ -63,13 +63,13 @@ cpk::LinearInput input_of(const torch::Tensor& xc) {
   return {xc.data_ptr(), float_dtype(xc, "linear input"), xc.size(0), xc.size(1)};
 }
 
-// The offsets of a linear with n outputs in `groups` groups, checked: fp32 [groups, N], or null.
+// The offsets of a linear with n outputs in `groups` groups, checked: fp32 groups x N in the driver's
+// column chunks (linear_driver.cpp, offsets_index; Python: quant/offsets_layout.py), or null.
 const float* offsets_of(const c10::optional<torch::Tensor>& offsets, int64_t n, int64_t groups, const char* what) {
   if (!offsets.has_value()) return nullptr;
   const torch::Tensor& o = *offsets;
-  TORCH_CHECK(o.scalar_type() == torch::kFloat32 && o.is_contiguous() && o.dim() == 2 && o.size(0) == groups &&
-                  o.size(1) == n,
-              what, ": offsets must be contiguous fp32 [groups, N]");
+  TORCH_CHECK(o.scalar_type() == torch::kFloat32 && o.is_contiguous() && o.dim() == 1 && o.numel() == groups * n,
+              what, ": offsets must be contiguous fp32 of groups x N, in column chunks");
   return o.data_ptr<float>();
 }
 

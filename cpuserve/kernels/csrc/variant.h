@@ -25,8 +25,9 @@ inline bool is_panels(Int4Layout l) { return l == Int4Layout::OffsetPanels; }
 // per-token scales; sums: the per-token per-group sums [M, groups] (the offset layouts' correction
 // and the offsets' term; a channel-wise W8A8 has one group). w: the weight in the variant's layout,
 // sw its scales [N, groups] in the layout's order (panel order for panel layouts; one group: [N]).
-// offsets: per-group per-column additive terms [groups, N] (w = s * q + offset, the GGUF formats
-// with a minimum; group-major so a group's term for neighbouring columns is one vector), or null;
+// offsets: per-group per-column additive terms, groups x N (w = s * q + offset, the GGUF formats
+// with a minimum) in column chunks: [N / 16][groups][16], then [groups][N % 16] (a group's term for
+// 16 neighbouring columns one vector, a chunk's terms one contiguous run), or null;
 // the driver adds sa * sum_g offset * sums after the kernel.
 // sa_groups (only with groups > 1): sa is [M, groups], one activation scale per token and group (as
 // llama.cpp's Q8 activation blocks), folded into each group's weight scales. out [M, N] fp32.

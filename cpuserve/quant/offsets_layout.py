@@ -1,0 +1,30 @@
+"""The order the native driver reads per-group offsets in (w = s * q + offset, GGUF's formats with a
+minimum): columns in chunks of 16, each chunk's 16 columns for every group in one contiguous run
+([N / 16][G][16]), then the last N % 16 columns group by group ([G][N % 16]).
+
+Why: the offsets pass streams one chunk at a time; group-major [G, N] made it read G rows N floats
+apart for every chunk, which cost three times the int4 kernel's time per byte at one token.
+linear_driver.cpp's offsets_index is the same map."""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 16
+
+
+def to_chunks(offsets: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> the driver's order, one contiguous fp32 run of N * G."""
+    n, groups = offsets.shape
+    full = n // CHUNK * CHUNK
+    head = offsets[:full].reshape(n // CHUNK, CHUNK, groups).transpose(1, 2).reshape(-1)
+    tail = offsets[full:].t().reshape(-1)
+    return torch.cat([head, tail]).float().contiguous()
+
+
+def from_chunks(flat: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """The driver's order -> [N, G]."""
+    full = n // CHUNK * CHUNK
+    head = flat[: full * groups].reshape(n // CHUNK, groups, CHUNK).transpose(1, 2).reshape(full, groups)
+    tail = flat[full * groups :].reshape(groups, n - full).t()
+    return torch.cat([head, tail]).contiguous()
