@@ -96,17 +96,22 @@ async def _read_stream(
     client: httpx.AsyncClient, base: str, body: dict, generating: asyncio.Event | None = None
 ) -> dict:
     """One streamed request: its content, finish reason, usage, and any error event; checks the framing.
-    `generating` is set once its second event (the first token after the role) has arrived."""
-    async with client.stream("POST", base + "/v1/chat/completions", headers=AUTH, json=body) as r:
-        if r.status_code != 200:
-            return {"status": r.status_code, "error": json.loads(await r.aread())["error"]}
-        assert r.headers["content-type"].startswith("text/event-stream")
-        events = []
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if generating is not None and len(events) == 2:
-                    generating.set()
+    `generating` is set once its second event (the first token after the role) has arrived, or when
+    it ends sooner (so a stream that fails early is reported, not waited for)."""
+    try:
+        async with client.stream("POST", base + "/v1/chat/completions", headers=AUTH, json=body) as r:
+            if r.status_code != 200:
+                return {"status": r.status_code, "error": json.loads(await r.aread())["error"]}
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if generating is not None and len(events) == 2:
+                        generating.set()
+    finally:
+        if generating is not None:
+            generating.set()
     assert events[-1] == "[DONE]", events[-3:]
     result: dict = {"status": 200, "content": "", "finish": None, "usage": None, "error": None}
     for raw in events[:-1]:

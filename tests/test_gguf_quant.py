@@ -204,4 +204,5 @@ def test_a_quantized_embedding_gives_the_float_tables_rows_exactly(kind, dtype):
     got = embedding(ids)
     assert got.dtype == dtype and got.shape == (2, 4, k)
     assert torch.equal(got, table[ids])
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, k)  # as nn.Embedding: no ids, no rows
     assert embedding.values.element_size() * embedding.values.numel() == n * k * SCHEMES[kind].bits // 8

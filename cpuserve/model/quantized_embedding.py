@@ -43,7 +43,8 @@ class QuantizedEmbedding(nn.Module):
         q = self.values.index_select(0, flat)
         if self.nibbles:
             q = torch.stack([(q & 0x0F), (q >> 4)], dim=-1).view(len(flat), self.embedding_dim).to(torch.int8) - 8
-        rows = q.float().view(len(flat), -1, self.group) * self.scales.index_select(0, flat).unsqueeze(-1)
+        groups = self.embedding_dim // self.group
+        rows = q.float().view(len(flat), groups, self.group) * self.scales.index_select(0, flat).unsqueeze(-1)
         if self.offsets is not None:
             rows = rows + self.offsets.index_select(0, flat).unsqueeze(-1)
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)

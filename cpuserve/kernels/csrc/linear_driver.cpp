@@ -87,6 +87,19 @@ inline int64_t offsets_index(int64_t n, int64_t groups, int64_t g, int64_t c) {
   return full * groups + g * (n - full) + (c - full);
 }
 
+// One column's term for token r, the same operations as a vector lane.
+inline void offsets_column(const LinearArgs& a, int64_t r, int64_t c) {
+  const int32_t* gs = a.sums + r * a.groups;
+  const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
+  float term = 0.f;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    float t = a.offsets[offsets_index(a.n, a.groups, g, c)] * float(gs[g]);
+    if (sa != nullptr) t *= sa[g];
+    term += t;
+  }
+  a.out[r * a.n + c] += sa != nullptr ? term : term * a.sa[r];
+}
+
 template <int L>  // floats a vector: 4 (SSE2, NEON), 8 (AVX2), 16 (AVX-512)
 __attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
   typedef float Lanes __attribute__((vector_size(L * sizeof(float))));
@@ -97,7 +110,11 @@ __attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, in
     const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
     float* out = a.out + r * a.n;
     int64_t c = c0;
-    for (; c % kColumns == 0 && c + kColumns <= std::min(c1, full); c += kColumns) {
+    // A range that starts inside a chunk (columns shared out by threads, not panels): its columns up
+    // to the chunk's end one at a time, then whole chunks, then the rest.
+    const int64_t aligned = std::min(c1, (c0 + kColumns - 1) / kColumns * kColumns);
+    for (; c < aligned; ++c) offsets_column(a, r, c);
+    for (; c + kColumns <= std::min(c1, full); c += kColumns) {
       const float* chunk = a.offsets + c * a.groups;  // this chunk's [G][16]
       Lanes term[kVectors] = {};
       for (int64_t g = 0; g < a.groups; ++g) {
@@ -116,15 +133,7 @@ __attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, in
         for (int j = 0; j < L; ++j) out[c + i * L + j] += term[i][j];
       }
     }
-    for (; c < c1; ++c) {  // columns outside whole chunks, one at a time, the same operations
-      float term = 0.f;
-      for (int64_t g = 0; g < a.groups; ++g) {
-        float t = a.offsets[offsets_index(a.n, a.groups, g, c)] * float(gs[g]);
-        if (sa != nullptr) t *= sa[g];
-        term += t;
-      }
-      out[c] += sa != nullptr ? term : term * a.sa[r];
-    }
+    for (; c < c1; ++c) offsets_column(a, r, c);  // the last columns
   }
 }
 

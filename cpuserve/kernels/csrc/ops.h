@@ -13,7 +13,7 @@
 
 using cpk::Variant;
 
-// offsets: fp32 [groups, N], group-major (the transpose of the checkpoint's [N, groups]; w = s * q +
+// offsets: fp32 groups x N in the driver's column chunks (quant/offsets_layout.py; w = s * q +
 // offset), or none; act_groups: activations quantized per group instead of per token (linear_driver.h).
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
