@@ -270,7 +270,7 @@ def run_gguf_files(args: argparse.Namespace, only: str) -> None:
     print(report)
     if not args.no_docs:
         command = f"benchmarks/run --repeats {args.repeats} --decode {args.decode}{only}"
-        gguf_files.write_docs(report, command, DOCS)
+        _replace_section(gguf_files.BEGIN, gguf_files.END, gguf_files.docs_section(report, command), DOCS)
 
 
 def run_speed(args: argparse.Namespace, families: list[str], only: str) -> None:
