@@ -12,11 +12,9 @@ prefill at least 1.5x.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from cpuserve.bench.gguf_types import FTYPES, QUANTIZE_SCRIPT, tensor_types
+from cpuserve.bench.gguf_types import f16_file, quantize_with_llamacpp, tensor_types
 from cpuserve.bench.speed import SpeedResult, measure_speed, render_speed
 
 BEGIN, END = "<!-- bench-gguf-files:begin -->", "<!-- bench-gguf-files:end -->"
@@ -25,31 +23,15 @@ PROMPT = 512
 BARS = [("peak RSS", "peak_rss_mb", 0.0, 1.15), ("decode", "tg", 1.0, None), (f"pp{PROMPT}", f"pp{PROMPT}", 1.5, None)]
 
 
-def _say(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
 def q4_k_m_file(work: Path, source: Path, llamacpp_python: str, threads: int) -> Path:
     """The 2B shape at Q4_K_M, quantized by llama.cpp from an F16 export (made once; the F16 removed)."""
-    from cpuserve.bench.gguf_export import export_gguf
     from cpuserve.model.resolve import bundled_gguf
 
     out = work / "minicpm5-2b-q4_k_m.gguf"
-    if out.exists():
-        return out
-    f16 = work / "minicpm5-2b-f16.gguf"
-    if not f16.exists():  # written beside, then renamed: an interrupted export is never reused
-        _say(f"exporting {source.name} at F16 -> {f16.name}")
-        export_gguf(source, f16.with_suffix(".tmp"), "f16", bundled_gguf())
-        f16.with_suffix(".tmp").rename(f16)
-    _say(f"llama.cpp quantizing {f16.name} -> {out.name}")
-    partial = out.with_suffix(".tmp")
-    cmd = [llamacpp_python, str(QUANTIZE_SCRIPT), str(f16), str(partial), str(FTYPES["Q4_K_M"]), str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp could not quantize to Q4_K_M: {done.stderr.strip()[-800:]}")
-    partial.rename(out)
-    f16.unlink()
+    if not out.exists():
+        f16 = f16_file(source, work / "minicpm5-2b-f16.gguf", bundled_gguf())
+        quantize_with_llamacpp(f16, out, "Q4_K_M", llamacpp_python, threads)
+        f16.unlink()
     return out
 
 

@@ -25,28 +25,40 @@ def _say(message: str) -> None:
 
 def type_files(work: Path, llamacpp_python: str, types: list[str], threads: int) -> dict[str, Path]:
     """SmolLM2 at F16 (from the bundled weights), then one llama.cpp quantization per type; made once."""
-    from cpuserve.bench.gguf_export import export_gguf
     from cpuserve.model.resolve import bundled_gguf, resolve_hf_model
 
     work.mkdir(parents=True, exist_ok=True)
-    f16 = work / "smol-f16.gguf"
-    if not f16.exists():  # written beside, then renamed: an interrupted export is never reused
-        _say(f"exporting the bundled SmolLM2 at F16 -> {f16}")
-        export_gguf(resolve_hf_model(None), f16.with_suffix(".tmp"), "f16", bundled_gguf())
-        f16.with_suffix(".tmp").rename(f16)
+    f16 = f16_file(resolve_hf_model(None), work / "smol-f16.gguf", bundled_gguf())
     files = {}
     for kind in types:
         out = work / f"smol-{kind.lower()}.gguf"
         if not out.exists():
-            _say(f"llama.cpp quantizing {f16.name} -> {out.name}")
-            partial = out.with_suffix(".tmp")
-            cmd = [llamacpp_python, str(QUANTIZE_SCRIPT), str(f16), str(partial), str(FTYPES[kind]), str(threads)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"llama.cpp could not quantize to {kind}: {done.stderr.strip()[-800:]}")
-            partial.rename(out)
+            quantize_with_llamacpp(f16, out, kind, llamacpp_python, threads)
         files[f"SmolLM2-135M {kind}"] = out
     return files
+
+
+def f16_file(source: Path, f16: Path, tokenizer_gguf: Path) -> Path:
+    """`source` (an HF directory) written at F16 once; beside, then renamed: an interrupted export is
+    never reused."""
+    from cpuserve.bench.gguf_export import export_gguf
+
+    if not f16.exists():
+        _say(f"exporting {source.name} at F16 -> {f16}")
+        export_gguf(source, f16.with_suffix(".tmp"), "f16", tokenizer_gguf)
+        f16.with_suffix(".tmp").rename(f16)
+    return f16
+
+
+def quantize_with_llamacpp(f16: Path, out: Path, kind: str, llamacpp_python: str, threads: int) -> None:
+    """llama.cpp's own quantization of an F16 GGUF to `kind` (FTYPES), written beside then renamed."""
+    _say(f"llama.cpp quantizing {f16.name} -> {out.name}")
+    partial = out.with_suffix(".tmp")
+    cmd = [llamacpp_python, str(QUANTIZE_SCRIPT), str(f16), str(partial), str(FTYPES[kind]), str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp could not quantize to {kind}: {done.stderr.strip()[-800:]}")
+    partial.rename(out)
 
 
 def tensor_types(path: Path) -> str:
