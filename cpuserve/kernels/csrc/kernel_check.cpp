@@ -215,12 +215,9 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     std::vector<float> s(n * groups), off(n * groups);
     for (auto& e : s) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
     for (auto& e : off) e = 0.01f * rng.uniform();
-    std::vector<float> off_t(groups * n);  // the driver's order: chunks of 16 columns [chunk][G][16], then [G][tail]
-    const int64_t full = n / 16 * 16;
+    std::vector<float> off_t(groups * n);  // the driver's order (offsets_index)
     for (int64_t c = 0; c < n; ++c)
-      for (int64_t gi = 0; gi < groups; ++gi)
-        off_t[c < full ? (c / 16) * 16 * groups + gi * 16 + c % 16 : full * groups + gi * (n - full) + (c - full)] =
-            off[c * groups + gi];
+      for (int64_t gi = 0; gi < groups; ++gi) off_t[cpk::offsets_index(n, groups, gi, c)] = off[c * groups + gi];
     const std::vector<float> sp = pack_scales(v, s, n, groups);
     std::vector<float> out(m * n), want(m * n), ref(m * n);
     if (bits == 8) {

@@ -78,14 +78,7 @@ void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in,
 // time per byte at one token). 16 neighbouring columns as vector lanes (GCC/Clang vector
 // extensions): each column's sum keeps its order over g, one mul, mul and add a group
 // (-ffp-contract=off), so every vector width gives the same bits as one column at a time.
-constexpr int kColumns = 16;
-
-// Where offset (g, c) is: chunks of 16 columns [chunk][G][16], then the last n % 16 columns [G][tail].
-inline int64_t offsets_index(int64_t n, int64_t groups, int64_t g, int64_t c) {
-  const int64_t full = n / kColumns * kColumns;
-  if (c < full) return (c / kColumns) * kColumns * groups + g * kColumns + c % kColumns;
-  return full * groups + g * (n - full) + (c - full);
-}
+constexpr int kColumns = kOffsetColumns;
 
 // One column's term for token r, the same operations as a vector lane.
 inline void offsets_column(const LinearArgs& a, int64_t r, int64_t c) {

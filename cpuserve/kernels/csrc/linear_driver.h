@@ -19,6 +19,15 @@ struct LinearInput {
   int64_t m, k;
 };
 
+// Where offset (group g, column c) of a linear with n outputs is: chunks of 16 columns [chunk][G][16],
+// then the last n % 16 columns [G][tail] (variant.h; Python: quant/offsets_layout.py).
+constexpr int kOffsetColumns = 16;
+inline int64_t offsets_index(int64_t n, int64_t groups, int64_t g, int64_t c) {
+  const int64_t full = n / kOffsetColumns * kOffsetColumns;
+  if (c < full) return (c / kOffsetColumns) * kOffsetColumns * groups + g * kOffsetColumns + c % kOffsetColumns;
+  return full * groups + g * (n - full) + (c - full);
+}
+
 // W8A8: w in the variant's int8 layout, scales [N, groups] in the layout's order (groups = 1:
 // per channel; else groups of K / groups inputs, a multiple of 4). out [M, N] fp32.
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
