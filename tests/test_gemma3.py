@@ -32,6 +32,7 @@ from cpuserve.model.loader import load_model
 from cpuserve.offline.gguf_convert import convert_gguf_weights
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
 from tests.gguf_fixtures import hf_decoder_writer
+from tests.test_native_decode import _use_native_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,7 +121,8 @@ def test_tiny_logits_match_transformers(tiny, case, native, monkeypatch):
     ours = load_model(path, "float32")
     spec = ours.spec
     assert spec.sliding_window == CASES[case]["sliding_window"] and spec.local_rope.theta == 300.0
-    assert ours.native_decode_plan() is None  # decode_layers knows no Gemma layer
+    # decode_layers runs Gemma's layers (windows, local rope, sandwich and q/k norms) with native ops
+    assert (ours.native_decode_plan() is not None) == native
     ids = _ids(2, 20)
     with torch.inference_mode():
         expected = ref(ids).logits
@@ -182,6 +184,47 @@ def test_engine_greedy_equals_transformers_generate(tiny, case, native, monkeypa
             want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
         assert out.outputs[0].token_ids == want.tolist(), prompt
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_native_decode_is_bit_identical_to_the_layer_loop(tiny, case, dtype, monkeypatch):
+    """decode_layers with Gemma's switches against the Python loop of the same native ops, on the
+    contiguous cache: 13 single-token steps after a 20-token prompt, far past the window."""
+    path, _ = tiny[case]
+    model = load_model(path, dtype)
+    ids = _ids(2, 20)
+    logits = {}
+    for on in (True, False):
+        calls = _use_native_decode(model, monkeypatch, on)
+        cache = model.new_cache(2, 40)
+        steps = [model(ids, cache)[:, -1]]
+        for _ in range(13):
+            steps.append(model(steps[-1].argmax(-1, keepdim=True), cache)[:, -1])
+        assert calls[0] == (13 if on else 0)
+        logits[on] = torch.stack(steps)
+    assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_engine_native_decode_equals_the_layer_loop(tiny, kv, monkeypatch):
+    """Through the paged cache (blocks of 4, sliding layers reading their window's slots), int8 KV
+    too: the same tokens and logprobs with and without the native step."""
+    path, _ = tiny["gqa-tied"]
+    model = load_model(path, "float32")
+    prompts = {f"r{i}": _ids(1, n, seed=20 + n)[0].tolist() for i, n in enumerate((12, 17, 9))}
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3)
+    outputs = {}
+    for on in (True, False):
+        calls = _use_native_decode(model, monkeypatch, on)
+        config = EngineConfig(
+            num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_dtype=kv
+        )
+        engine = LLMEngine(model, Tokenizer(path), config, GenerationDefaults.load(path))
+        done = run_to_completion(engine, prompts, params)
+        outputs[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in done]
+        assert (calls[0] > 5) == on
+    assert outputs[True] == outputs[False]
 
 
 def test_config_before_transformers_5_gives_the_same_spec(tiny):

@@ -57,6 +57,22 @@ def test_rms_norm(kernels, dtype, shape):
     _close(kernels.rms_norm(x, w, 1e-5, ops._variant()), ops.rms_norm_reference(x, w, 1e-5), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 256), (2, 100)])
+def test_unit_offset_rms_norm(kernels, dtype, shape):
+    """Gemma's x * (1 + w), weights around 0 as Gemma stores them; fused with the residual add too."""
+    gen = torch.Generator().manual_seed(shape[-1] + 1)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    d = torch.randn(shape, generator=gen).to(dtype)
+    w = (0.3 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    want = ops.rms_norm_unit_offset_reference(x, w, 1e-6)
+    _close(kernels.rms_norm(x, w, 1e-6, ops._variant(), True), want, dtype)
+    _close(ops.rms_norm(x, w, 1e-6, unit_offset=True), want, dtype)
+    total, normed = ops.add_rms_norm(x, d, 1.0, w, 1e-6, unit_offset=True)
+    assert torch.equal(total, x + d)
+    _close(normed, ops.rms_norm_unit_offset_reference(x + d, w, 1e-6), dtype)
+
+
 def test_rms_norm_of_a_strided_view_reads_the_view(kernels):
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(6, 3 * 128, generator=gen)
@@ -116,6 +132,24 @@ def test_silu_mul(kernels, dtype):
     gate, up = gate_up.chunk(2, dim=-1)  # strided halves of one buffer, as the fused projection gives
     _close(ops.silu_mul(gate, up), ops.silu_mul_reference(gate, up), dtype)
     _close(kernels.silu_mul(gate[0], up[0], ops._variant()), ops.silu_mul_reference(gate[0], up[0]), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(kernels, dtype):
+    """GeGLU against torch's gelu(approximate="tanh") * up. Budget: tanh from libm against torch's
+    vectorized one; for gate below about -4, 1 + tanh cancels to a float step of tanh near -1
+    (6e-8), so there the fp32 budget is absolute: |x| / 2 * 6e-8 * |up|, below 4e-6 here."""
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(2, 3, 2 * 1024, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    for got, want in (
+        (ops.gelu_tanh_mul(gate, up), ops.gelu_tanh_mul_reference(gate, up)),
+        (kernels.gelu_tanh_mul(gate[1], up[1], ops._variant()), ops.gelu_tanh_mul_reference(gate[1], up[1])),
+    ):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=FP32_REL, atol=4e-6)
+        else:
+            _close(got, want, dtype)
 
 
 def _sdpa(q, k, v):

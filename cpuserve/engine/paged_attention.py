@@ -143,6 +143,7 @@ class PagedAttention:
             slots=meta.decode_slots,
             k_scale=cache.k_scale_by_position,
             v_scale=cache.v_scale_by_position,
+            window=lambda size: (*self._decode_context(size), 0),
         )
 
     def __call__(

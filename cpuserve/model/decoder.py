@@ -85,14 +85,20 @@ class ContiguousAttention:
         """For the native decode step: one new token per sequence, written at position start."""
         if self.cache is None or self.new_tokens != 1:
             return None
-        b = self.cache.k[0].shape[0]
+        b, start = self.cache.k[0].shape[0], self.start
+
+        def window(size: int) -> tuple[None, torch.Tensor, int]:  # the keys from start - size + 1 on
+            first = max(0, start + 1 - size)
+            return None, torch.full((b,), start + 1 - first), first
+
         return DecodeCache(
             k=self.cache.k_by_position,
             v=self.cache.v_by_position,
             write_batch=torch.arange(b),
-            write_pos=torch.full((b,), self.start),
-            lengths=torch.full((b,), self.start + 1),
+            write_pos=torch.full((b,), start),
+            lengths=torch.full((b,), start + 1),
             slots=None,
+            window=window,
         )
 
     def __call__(
@@ -314,8 +320,7 @@ class CausalLM(nn.Module):
             plans = self.native_decode_plan()
             if plans is not None:
                 flat = positions.expand(input_ids.shape).reshape(-1)  # one position per token
-                cos, sin = self.rotary(flat, self.dtype)
-                return native_decode.decode(self, plans, input_ids, cos, sin, decode_cache)
+                return native_decode.decode(self, plans, input_ids, flat, decode_cache)
         tables = self.rope_tables(positions)
         h = self.embed(input_ids)
         layers = self.model.layers

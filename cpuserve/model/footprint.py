@@ -138,12 +138,6 @@ def _float_op_kernels(spec: ModelSpec) -> dict[str, str]:
             "decode step": "Python layer loop",
         }
     whole = native_decode.enabled() and native_decode.layer_is_native(spec)
-    if spec.norm_unit_offset or spec.activation != "silu":  # Gemma's (1 + w) norms and GeGLU: torch
-        return {
-            "attention": "decode: native, reads the KV cache in place; prefill: torch SDPA",
-            "norm, rope, activation": "torch ((1 + w) norms, GeGLU), native rope",
-            "decode step": "Python layer loop (native ops)",
-        }
     return {
         "attention": "decode: native, reads the KV cache in place; prefill: torch SDPA",
         "norm, rope, activation": "native (residual add fused with the next norm)",

@@ -4,14 +4,17 @@ The Python decoder with native ops spends more time between the ops than in them
 (SmolLM2: ~20 Python-level calls and views per layer, 30 layers, per token). When every sequence of
 a step brings one new token, the attention backend describes where its K/V go and what each token
 attends to (`DecodeCache`), and the whole stack runs natively with the same ops in the same order:
-the result is bit-identical to the Python path (tests/test_native_decode.py). Prefill chunks, models
-with q/k norms, unfused projections or weights outside the native kernels stay in Python.
+the result is bit-identical to the Python path (tests/test_native_decode.py). The Llama layer and
+Gemma 3's switches run there ((1 + w) norms, q/k norms, sandwich norms, GeGLU, the attention scale,
+sliding windows and the local rope); prefill chunks, unfused projections or weights outside the
+native kernels stay in Python.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,9 @@ class DecodeCache:
     slots: torch.Tensor | None  # [T, L] paged slots (batch 0), or None: batch t, positions 0..L-1
     k_scale: list[torch.Tensor] | None = None  # per layer [B, S, Hkv] row scales of an int8 cache
     v_scale: list[torch.Tensor] | None = None
+    # window -> what a sliding layer's tokens attend to: (slots [T, W] or None, lengths [T], first
+    # position: without slots, the keys from there on), the same keys the Python path gives it.
+    window: Callable[[int], tuple[torch.Tensor | None, torch.Tensor, int]] | None = None
 
 
 def enabled() -> bool:
@@ -49,18 +55,9 @@ def _linear(module: nn.Module, kernels: Any) -> Any | None:
 
 
 def layer_is_native(spec: Any) -> bool:
-    """decode_layers runs the Llama layer only: pre-norms w * x, SwiGLU, D ** -0.5, one rope, every
-    key seen. Anything else (Gemma's norms, GeGLU, scale, windows, local rope) is the Python loop's."""
-    return not (
-        spec.qk_norm
-        or spec.norm_unit_offset
-        or spec.sandwich_norms
-        or spec.activation != "silu"
-        or spec.attention_scale is not None
-        or spec.sliding_window is not None
-        or spec.local_rope is not None
-        or spec.embedding_scale_in_dtype
-    )
+    """decode_layers runs the Llama layer with Gemma 3's switches; one window size for all sliding layers."""
+    windows = {spec.layer_window(i) for i in range(spec.num_layers)} - {None}
+    return spec.activation in ("silu", "gelu_tanh") and len(windows) <= 1
 
 
 def build_plan(model: nn.Module) -> list[Any] | None:
@@ -74,24 +71,35 @@ def build_plan(model: nn.Module) -> list[Any] | None:
     if model.dtype not in ops.NATIVE_DTYPES:
         return None
     plans = []
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None or mlp.gate_up_proj is None:
             return None
         linears = [_linear(m, kernels) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        attn_out_norm, mlp_in_norm, mlp_out_norm = layer.norm_roles
+        qk_norms = (attn.q_norm, attn.k_norm) if spec.qk_norm else (None, None)
+        norms = [n for n in (layer.input_layernorm, *layer.norm_roles, *qk_norms) if n is not None]
         if any(lin is None for lin in linears) or any(n.weight.dtype != model.dtype for n in norms):
             return None
         plans.append(
             kernels.LayerPlan(
                 *linears,
                 layer.input_layernorm.weight,
-                layer.post_attention_layernorm.weight,
+                mlp_in_norm.weight,
                 layer.input_layernorm.eps,
                 layer.residual_scale,
                 spec.num_heads,
                 spec.num_kv_heads,
                 spec.head_dim,
+                unit_offset=spec.norm_unit_offset,
+                q_norm=None if qk_norms[0] is None else qk_norms[0].weight,
+                k_norm=None if qk_norms[1] is None else qk_norms[1].weight,
+                attn_out_norm=None if attn_out_norm is None else attn_out_norm.weight,
+                mlp_out_norm=None if mlp_out_norm is None else mlp_out_norm.weight,
+                gelu=spec.activation == "gelu_tanh",
+                attention_scale=spec.attention_scale or 0.0,
+                windowed=attn.window is not None,
+                local_rope=model.local_rotary is not None and spec.is_sliding(i),
             )
         )
     if model.model.norm.weight.dtype != model.dtype:
@@ -103,14 +111,18 @@ def decode(
     model: nn.Module,
     plans: list[Any],
     input_ids: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    positions: torch.Tensor,
     cache: DecodeCache,
 ) -> torch.Tensor:
-    """Final-norm hidden states [..., H] for one new token per sequence (input_ids [...])."""
-    h = model.model.embed_tokens(input_ids.reshape(-1))
-    if model.spec.embedding_scale != 1.0:
-        h = h * model.spec.embedding_scale
+    """Final-norm hidden states [..., H] for one new token per sequence (input_ids [...] at positions)."""
+    h = model.embed(input_ids.reshape(-1))
+    cos, sin = model.rotary(positions, model.dtype)
+    local = model.local_rotary(positions, model.dtype) if model.local_rotary is not None else (None, None)
+    window = model.spec.sliding_window
+    windowed = window is not None and any(model.spec.is_sliding(i) for i in range(model.spec.num_layers))
+    if windowed and cache.window is None:
+        raise ValueError("decode: a model with sliding layers needs the cache's window context")
+    w_slots, w_lengths, w_first = cache.window(window) if windowed else (None, None, 0)
     norm = model.model.norm
     out = ops._native().decode_layers(
         plans,
@@ -128,5 +140,9 @@ def decode(
         norm.weight,
         norm.eps,
         ops._variant(),
+        *local,
+        w_slots,
+        w_lengths,
+        w_first,
     )
     return out.view(*input_ids.shape, -1)

@@ -1,6 +1,6 @@
-"""The decoder's float ops around the linears: RMSNorm (alone and fused with the residual add), RoPE,
-SiLU-and-mul and single-query attention; Gemma's unit-offset RMSNorm and GeGLU (torch only), and
-the causal (optionally sliding-window) mask of a query block.
+"""The decoder's float ops around the linears: RMSNorm (alone and fused with the residual add; Gemma's
+unit-offset one too), RoPE, SiLU-and-mul, GeGLU and single-query attention, and the causal
+(optionally sliding-window) mask of a query block.
 
 Each op has its pure-torch reference here (`*_reference`) and a native twin (kernels/csrc/
 layer_ops.cpp) that does in one call what the reference does in 5-20 torch ops: on SmolLM2 those
@@ -90,8 +90,8 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """GeGLU: gelu(gate) (tanh approximation) * up. No native twin yet."""
+def gelu_tanh_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: gelu(gate) (tanh approximation) * up."""
     return F.gelu(gate, approximate="tanh") * up
 
 
@@ -165,26 +165,26 @@ def token_logprobs(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
-    """RMSNorm; unit_offset: Gemma's x * (1 + w) (torch only)."""
-    if unit_offset:
-        return rms_norm_unit_offset_reference(x, weight, eps)
+    """RMSNorm; unit_offset: Gemma's x * (1 + w)."""
     module = _use_native(x, weight)
     if module is None or x.dtype != weight.dtype:
+        if unit_offset:
+            return rms_norm_unit_offset_reference(x, weight, eps)
         return rms_norm_reference(x, weight, eps)
-    return module.rms_norm(x, weight, eps, _variant())
+    return module.rms_norm(x, weight, eps, _variant(), unit_offset)
 
 
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor, scale: float, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta * scale, its RMSNorm): the residual add fused with the norm that follows it."""
-    if unit_offset:
-        h = h + delta * scale if scale != 1.0 else h + delta
-        return h, rms_norm_unit_offset_reference(h, weight, eps)
     module = _use_native(h, delta, weight)
     if module is None or not (h.dtype == delta.dtype == weight.dtype) or h.shape != delta.shape:
+        if unit_offset:
+            h = h + delta * scale if scale != 1.0 else h + delta
+            return h, rms_norm_unit_offset_reference(h, weight, eps)
         return add_rms_norm_reference(h, delta, scale, weight, eps)
-    total, normed = module.add_rms_norm(h, delta, scale, weight, eps, _variant())
+    total, normed = module.add_rms_norm(h, delta, scale, weight, eps, _variant(), unit_offset)
     return total, normed
 
 
@@ -218,17 +218,27 @@ def _flat_heads(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
     return views
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up; gate and up may be the two halves of one fused projection's output."""
+def _act_mul(name: str, reference, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """act(gate) * up through the native op `name` where it can take the tensors, else `reference`."""
     module = _use_native(gate, up)
     if module is None or gate.dtype != up.dtype or gate.shape != up.shape:
-        return silu_mul_reference(gate, up)
+        return reference(gate, up)
     size = gate.shape[-1]
     try:
         g, u = gate.view(-1, size), up.view(-1, size)
     except RuntimeError:
-        return silu_mul_reference(gate, up)
-    return module.silu_mul(g, u, _variant()).view(gate.shape)
+        return reference(gate, up)
+    return getattr(module, name)(g, u, _variant()).view(gate.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; gate and up may be the two halves of one fused projection's output."""
+    return _act_mul("silu_mul", silu_mul_reference, gate, up)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate) * up, gelu's tanh approximation; as silu_mul."""
+    return _act_mul("gelu_tanh_mul", gelu_tanh_mul_reference, gate, up)
 
 
 def decode_attention_contiguous(

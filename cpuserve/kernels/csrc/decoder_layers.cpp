@@ -1,7 +1,8 @@
 // A whole decode step through every decoder layer in one native call: the same ops, in the same
 // order, as the Python decoder with native ops (model/decoder.py), minus ~20 Python-level calls and
 // views per layer that cost more than the ops themselves on a small model (SmolLM2: 30 layers of
-// 576 wide). Only steps where every sequence brings one new token come here; prefill stays in Python.
+// 576 wide; Gemma 3 270M: 18 of 640). Only steps where every sequence brings one new token come
+// here; prefill stays in Python.
 
 #include <torch/csrc/utils/pybind.h>
 #include <torch/types.h>
@@ -43,11 +44,25 @@ struct Linear {
   }
 };
 
+// One decoder layer. Llama's: input_norm, attention, residual add fused with mlp_norm, SwiGLU MLP.
+// The switches of Gemma 3 (and Mistral's window): norms x * (1 + w) (unit_offset), per-head q/k
+// norms before rope, a norm on the attention output and one on the MLP output (sandwich), GeGLU,
+// an attention scale other than D ** -0.5, a sliding window, the local rope table.
 struct LayerPlan {
   Linear qkv, o, gate_up, down;
-  torch::Tensor input_norm, post_norm;
+  torch::Tensor input_norm, mlp_norm;
   double eps, residual_scale;
   int64_t num_heads, num_kv_heads, head_dim;
+  bool unit_offset = false;
+  c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  bool gelu = false;
+  double attention_scale = 0;  // 0: D ** -0.5
+  bool windowed = false;       // attends through the window's context (decode_layers' window_*)
+  bool local_rope = false;     // rotates with the local table (decode_layers' cos_local, sin_local)
+
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const Variant& variant) const {
+    return rms_norm(x, w, eps, variant, unit_offset);
+  }
 };
 
 // x [T, Hkv, D] (D contiguous) into cache [B, S, Hkv, D] at [batch[t], pos[t]]: one copy per head row.
@@ -113,39 +128,59 @@ void register_decoder_layers(pybind11::module& mod) {
            py::arg("offsets") = py::none(), py::arg("act_groups") = false, py::arg("n") = 0);
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
       .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
-                       torch::Tensor post_norm, double eps, double residual_scale, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim) {
-             return std::make_shared<LayerPlan>(LayerPlan{qkv, o, gate_up, down, input_norm, post_norm, eps,
-                                                          residual_scale, num_heads, num_kv_heads, head_dim});
+                       torch::Tensor mlp_norm, double eps, double residual_scale, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, bool unit_offset,
+                       c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                       c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
+                       bool gelu, double attention_scale, bool windowed, bool local_rope) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LayerPlan: q and k norms come together");
+             return std::make_shared<LayerPlan>(LayerPlan{qkv, o, gate_up, down, input_norm, mlp_norm, eps,
+                                                          residual_scale, num_heads, num_kv_heads, head_dim,
+                                                          unit_offset, q_norm, k_norm, attn_out_norm, mlp_out_norm,
+                                                          gelu, attention_scale, windowed, local_rope});
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
-           py::arg("post_norm"), py::arg("eps"), py::arg("residual_scale"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"));
+           py::arg("mlp_norm"), py::arg("eps"), py::arg("residual_scale"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("unit_offset") = false,
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("attn_out_norm") = py::none(),
+           py::arg("mlp_out_norm") = py::none(), py::arg("gelu") = false, py::arg("attention_scale") = 0.0,
+           py::arg("windowed") = false, py::arg("local_rope") = false);
   // h [T, H] embeddings of the new tokens -> final-norm hidden states [T, H]; every float op and
   // attention run as `variant` (the linears as the variant each was packed for).
   // k_caches / v_caches: per layer [B, S, Hkv, D] views of the cache; token t's K/V go to
   // [write_batch[t], write_pos[t]]; it attends to lengths[t] positions of batch t (slots: None) or of
   // batch 0 at slots[t, :] (the paged cache). k_scales / v_scales: per layer [B, S, Hkv] row scales
-  // of an int8 cache, or empty for a cache in the model's dtype.
+  // of an int8 cache, or empty for a cache in the model's dtype. A windowed layer attends to
+  // window_lengths[t] positions instead: at window_slots[t, :], or without slots from position
+  // window_first on. cos_local / sin_local: the table of layers with local_rope.
   mod.def(
       "decode_layers",
       [](const std::vector<std::shared_ptr<LayerPlan>>& plans, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
          const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
          const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
          torch::Tensor write_batch, torch::Tensor write_pos, torch::Tensor lengths,
-         c10::optional<torch::Tensor> slots, torch::Tensor final_norm, double final_eps, const Variant& variant) {
+         c10::optional<torch::Tensor> slots, torch::Tensor final_norm, double final_eps, const Variant& variant,
+         c10::optional<torch::Tensor> cos_local, c10::optional<torch::Tensor> sin_local,
+         c10::optional<torch::Tensor> window_slots, c10::optional<torch::Tensor> window_lengths,
+         int64_t window_first) {
         TORCH_CHECK(!plans.empty() && plans.size() == k_caches.size() && plans.size() == v_caches.size(),
                     "decode_layers: one plan and one cache per layer");
         const bool int8 = !k_scales.empty();
         TORCH_CHECK(!int8 || (k_scales.size() == plans.size() && v_scales.size() == plans.size()),
                     "decode_layers: one k and one v scale tensor per layer for an int8 cache");
         TORCH_CHECK(h.dim() == 2, "decode_layers: h must be [T, H]");
+        for (const auto& p : plans) {
+          TORCH_CHECK(!p->local_rope || (cos_local.has_value() && sin_local.has_value()),
+                      "decode_layers: a layer with the local rope needs cos_local and sin_local");
+          TORCH_CHECK(!p->windowed || (window_lengths.has_value() && slots.has_value() == window_slots.has_value()),
+                      "decode_layers: a windowed layer needs the window's lengths (and slots with a paged cache)");
+        }
         const int64_t t = h.size(0);
         auto wb = write_batch.to(torch::kLong).contiguous(), wp = write_pos.to(torch::kLong).contiguous();
         TORCH_CHECK(wb.numel() == t && wp.numel() == t, "decode_layers: one write position per token");
         const int64_t* wbp = wb.data_ptr<int64_t>();
         const int64_t* wpp = wp.data_ptr<int64_t>();
-        torch::Tensor normed = rms_norm(h, plans[0]->input_norm, plans[0]->eps, variant);
+        torch::Tensor normed = plans[0]->norm(h, plans[0]->input_norm, variant);
         for (size_t i = 0; i < plans.size(); ++i) {
           const LayerPlan& p = *plans[i];
           const int64_t q_size = p.num_heads * p.head_dim, kv_size = p.num_kv_heads * p.head_dim;
@@ -153,10 +188,14 @@ void register_decoder_layers(pybind11::module& mod) {
           auto q = qkv.narrow(1, 0, q_size).view({t, p.num_heads, p.head_dim});
           auto k = qkv.narrow(1, q_size, kv_size).view({t, p.num_kv_heads, p.head_dim});
           auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, p.num_kv_heads, p.head_dim});
-          rope_(q, cos, sin, variant);
-          rope_(k, cos, sin, variant);
-          const torch::Tensor& kc = k_caches[i];
-          const torch::Tensor& vc = v_caches[i];
+          if (p.q_norm.has_value()) {  // per head, before rope (fresh tensors, rotated in place below)
+            q = p.norm(q, *p.q_norm, variant);
+            k = p.norm(k, *p.k_norm, variant);
+          }
+          rope_(q, p.local_rope ? *cos_local : cos, p.local_rope ? *sin_local : sin, variant);
+          rope_(k, p.local_rope ? *cos_local : cos, p.local_rope ? *sin_local : sin, variant);
+          torch::Tensor kc = k_caches[i];
+          torch::Tensor vc = v_caches[i];
           c10::optional<torch::Tensor> ks, vs;
           if (int8) {
             ks = k_scales[i], vs = v_scales[i];
@@ -166,16 +205,34 @@ void register_decoder_layers(pybind11::module& mod) {
             store_kv(kc, k, wbp, wpp);
             store_kv(vc, v, wbp, wpp);
           }
-          auto attn =
-              decode_attention(q, kc, vc, slots, lengths, 1.0 / std::sqrt(double(p.head_dim)), variant, ks, vs);
+          const double scale = p.attention_scale > 0 ? p.attention_scale : 1.0 / std::sqrt(double(p.head_dim));
+          c10::optional<torch::Tensor> context = slots;
+          torch::Tensor context_lengths = lengths;
+          if (p.windowed) {  // the window's keys only: its slots, or the cache from window_first on
+            context = window_slots;
+            context_lengths = *window_lengths;
+            if (!slots.has_value() && window_first > 0) {
+              kc = kc.narrow(1, window_first, kc.size(1) - window_first);
+              vc = vc.narrow(1, window_first, vc.size(1) - window_first);
+              if (int8) {
+                ks = ks->narrow(1, window_first, ks->size(1) - window_first);
+                vs = vs->narrow(1, window_first, vs->size(1) - window_first);
+              }
+            }
+          }
+          auto attn = decode_attention(q, kc, vc, context, context_lengths, scale, variant, ks, vs);
           auto o = p.o(attn.view({t, q_size}));
-          auto mid = add_rms_norm(h, o, p.residual_scale, p.post_norm, p.eps, variant);
+          if (p.attn_out_norm.has_value()) o = p.norm(o, *p.attn_out_norm, variant);
+          auto mid = add_rms_norm(h, o, p.residual_scale, p.mlp_norm, p.eps, variant, p.unit_offset);
           auto gu = p.gate_up(mid[1]);
           const int64_t inter = gu.size(1) / 2;
-          auto down = p.down(silu_mul(gu.narrow(1, 0, inter), gu.narrow(1, inter, inter), variant));
+          auto gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+          auto down = p.down(p.gelu ? gelu_tanh_mul(gate, up, variant) : silu_mul(gate, up, variant));
+          if (p.mlp_out_norm.has_value()) down = p.norm(down, *p.mlp_out_norm, variant);
           const bool last = i + 1 == plans.size();
           auto out = add_rms_norm(mid[0], down, p.residual_scale, last ? final_norm : plans[i + 1]->input_norm,
-                                  last ? final_eps : plans[i + 1]->eps, variant);
+                                  last ? final_eps : plans[i + 1]->eps, variant,
+                                  last ? p.unit_offset : plans[i + 1]->unit_offset);
           h = out[0];
           normed = out[1];
         }
@@ -183,5 +240,10 @@ void register_decoder_layers(pybind11::module& mod) {
       },
       // No Python inside: other threads (grammar masks, tokenizing, the event loop) run meanwhile.
       py::call_guard<py::gil_scoped_release>(),
+      py::arg("plans"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"),
+      py::arg("k_scales"), py::arg("v_scales"), py::arg("write_batch"), py::arg("write_pos"), py::arg("lengths"),
+      py::arg("slots"), py::arg("final_norm"), py::arg("final_eps"), py::arg("variant"),
+      py::arg("cos_local") = py::none(), py::arg("sin_local") = py::none(), py::arg("window_slots") = py::none(),
+      py::arg("window_lengths") = py::none(), py::arg("window_first") = 0,
       "every decoder layer for one new token per sequence; returns the final-norm hidden states");
 }

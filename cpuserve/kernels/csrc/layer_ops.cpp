@@ -1,5 +1,6 @@
 // The decoder's float ops around the quantized linears, one native call each instead of 5-20 torch
-// ops: RMSNorm (alone and fused with the residual add), RoPE in place, SiLU-and-mul, and the torch
+// ops: RMSNorm (alone and fused with the residual add; Llama's and Gemma's unit-offset one), RoPE in
+// place, SiLU-and-mul and GeGLU (gelu's tanh approximation), and the torch
 // binding of decode attention (attention.h: one new token per sequence read straight from the
 // contiguous or paged KV cache, the variant's own kernel). The elementwise ops have one version for
 // every ISA (they are counted under the variant that called them); attention has per-ISA versions.
@@ -61,10 +62,15 @@ float sum_squares(const T* x, int64_t n) {
   return total;
 }
 
-// out = w * T(x * rsqrt(mean(x^2) + eps)), as RMSNorm.forward in the reference.
+// out = w * T(x * rsqrt(mean(x^2) + eps)), as RMSNorm.forward in the reference; unit_offset
+// (Gemma): out = T((x * rsqrt(mean(x^2) + eps)) * (1 + w)), all in fp32 before the one rounding.
 template <typename T>
-void rms_norm_row(const T* x, const T* w, int64_t n, float eps, T* out) {
+void rms_norm_row(const T* x, const T* w, int64_t n, float eps, T* out, bool unit_offset) {
   const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  if (unit_offset) {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>((load(x, i) * inv) * (1.f + load(w, i)));
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(load(w, i) * round_to<T>(load(x, i) * inv));
 }
 
@@ -80,7 +86,7 @@ void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant) {
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant, bool unit_offset) {
   cpk::count(variant, cpk::kRmsNorm);
   check_same_dtype(x, weight, "rms_norm");
   auto xc = x.contiguous();
@@ -93,7 +99,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const 
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        rms_norm_row(xp + i * size, wp, size, static_cast<float>(eps), op + i * size);
+        rms_norm_row(xp + i * size, wp, size, static_cast<float>(eps), op + i * size, unit_offset);
     });
   });
   return out;
@@ -101,7 +107,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const 
 
 // h' = h + delta * scale (rounded as the reference rounds), normed = rms_norm(h'). Returns {h', normed}.
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, double scale, torch::Tensor weight,
-                                        double eps, const Variant& variant) {
+                                        double eps, const Variant& variant, bool unit_offset) {
   cpk::count(variant, cpk::kAddRmsNorm);
   check_same_dtype(h, delta, "add_rms_norm");
   check_same_dtype(h, weight, "add_rms_norm");
@@ -127,7 +133,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, do
           for (int64_t i = 0; i < n; ++i)
             sp[o + i] = static_cast<scalar_t>(load(hp, o + i) + round_to<scalar_t>(load(dp, o + i) * s));
         }
-        rms_norm_row(sp + o, wp, n, static_cast<float>(eps), np + o);
+        rms_norm_row(sp + o, wp, n, static_cast<float>(eps), np + o, unit_offset);
       }
     });
   });
@@ -189,6 +195,36 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& vari
         for (int64_t i = 0; i < inter; ++i) {
           const float x = load(g, i);
           o[i] = static_cast<scalar_t>(round_to<scalar_t>(x / (1.f + std::exp(-x))) * load(u, i));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// gate, up as silu_mul's -> gelu(gate) * up with gelu's tanh approximation, torch's formula in fp32
+// (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))), rounded where the reference rounds.
+torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant) {
+  cpk::count(variant, cpk::kGeluMul);
+  check_same_dtype(gate, up, "gelu_tanh_mul");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "gelu_tanh_mul: gate and up must be [R, I] with I contiguous");
+  const int64_t rows = gate.size(0), inter = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  auto out = torch::empty({rows, inter}, gate.options());
+  const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  CPUSERVE_DISPATCH(gate.scalar_type(), "gelu_tanh_mul", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    const scalar_t* upp = up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* g = gp + row * gs;
+        const scalar_t* u = upp + row * us;
+        scalar_t* o = op + row * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = load(g, i);
+          const float gelu = 0.5f * x * (1.f + std::tanh(beta * (x + kappa * (x * x * x))));
+          o[i] = static_cast<scalar_t>(round_to<scalar_t>(gelu) * load(u, i));
         }
       }
     });
@@ -320,10 +356,15 @@ std::vector<torch::Tensor> token_logprobs(torch::Tensor logits, torch::Tensor ch
 void register_layer_ops(pybind11::module& mod) {
   // The GIL is let go while an op runs (no Python inside), so other threads are not held up.
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  mod.def("rms_norm", &rms_norm, nogil(), "RMSNorm over the last dimension");
-  mod.def("add_rms_norm", &add_rms_norm, nogil(), "residual add (scaled) fused with the next RMSNorm: {sum, normed}");
+  namespace py = pybind11;
+  mod.def("rms_norm", &rms_norm, nogil(), "RMSNorm over the last dimension (unit_offset: Gemma's x * (1 + w))",
+          py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("variant"), py::arg("unit_offset") = false);
+  mod.def("add_rms_norm", &add_rms_norm, nogil(), "residual add (scaled) fused with the next RMSNorm: {sum, normed}",
+          py::arg("h"), py::arg("delta"), py::arg("scale"), py::arg("weight"), py::arg("eps"), py::arg("variant"),
+          py::arg("unit_offset") = false);
   mod.def("rope_", &rope_, nogil(), "rotary embedding in place, rotate-half layout");
   mod.def("silu_mul", &silu_mul, nogil(), "silu(gate) * up");
+  mod.def("gelu_tanh_mul", &gelu_tanh_mul, nogil(), "gelu(gate) * up, gelu's tanh approximation");
   mod.def("decode_attention", &decode_attention, nogil(),
           "one query per sequence over the contiguous or paged KV cache (int8 with its row scales, or float)",
           pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("lengths"),

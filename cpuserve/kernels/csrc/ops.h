@@ -23,11 +23,14 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                            const Variant& variant);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant);
+// unit_offset: Gemma's norm, x * (1 + w) in fp32 before rounding (model/ops.py).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, const Variant& variant,
+                       bool unit_offset = false);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, double scale, torch::Tensor weight,
-                                        double eps, const Variant& variant);
+                                        double eps, const Variant& variant, bool unit_offset = false);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const Variant& variant);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
                                torch::Tensor lengths, double scale, const Variant& variant,
                                c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);

@@ -83,10 +83,11 @@ struct Variant {
 
 // The ops counted per variant: one relaxed atomic increment per call, so a test can show which
 // row served every native op.
-enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kFloatLinear, kOpCount };
+enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kFloatLinear, kGeluMul, kOpCount };
 inline const char* op_name(int op) {
   static const char* names[kOpCount] = {"w8a8_linear", "w4a8_linear", "quantize_rows",  "decode_attention",
-                                        "rms_norm",    "add_rms_norm", "rope",          "silu_mul",     "float_linear"};
+                                        "rms_norm",    "add_rms_norm", "rope",          "silu_mul",     "float_linear",
+                                        "gelu_tanh_mul"};
   return names[op];
 }
 
