@@ -206,3 +206,24 @@ def test_a_quantized_embedding_gives_the_float_tables_rows_exactly(kind, dtype):
     assert torch.equal(got, table[ids])
     assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, k)  # as nn.Embedding: no ids, no rows
     assert embedding.values.element_size() * embedding.values.numel() == n * k * SCHEMES[kind].bits // 8
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_tied_embedding_read_from_its_heads_packed_weights_is_the_tables_rows(kind):
+    """A tied GGUF table kept once, as the output head's packed weights: every variant's layout
+    (panels with a narrow last panel, rows, int4 and int8, offsets in column chunks) and the
+    unpacked reference give each looked-up row bit-identical to the float table's, in fp32 and bf16."""
+    from cpuserve.model.quantized_embedding import HeadRowsEmbedding
+
+    kernels = native()
+    n, k = 70, 512  # four full panels and one of 6 columns; chunks of 16 and a tail of 6
+    ids = torch.tensor([[0, 69, 5, 5], [33, 1, 68, 64]])
+    kernel_choices = [None] + [KernelChoice(kernels, kernels.variant(name)) for name in runnable_variants()]
+    for kernel in kernel_choices:
+        layer, d = _linear(kind, n, k, seed=12, kernel=kernel)
+        table = torch.from_numpy(d.dequantized())
+        for dtype in (torch.float32, torch.bfloat16):
+            got = HeadRowsEmbedding(layer, dtype)(ids)
+            assert got.dtype == dtype and got.shape == (2, 4, k)
+            assert torch.equal(got, table.to(dtype)[ids]), (kind, kernel and kernel.variant)
+        assert HeadRowsEmbedding(layer, torch.float32)(torch.tensor([], dtype=torch.long)).shape == (0, k)

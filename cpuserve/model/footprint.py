@@ -35,13 +35,20 @@ def model_facts(
     elem = torch.empty((), dtype=compute).element_size()
     with source.checkpoint as ckpt:
         params, weight_bytes, native_bytes = 0, 0, 0
-        aliases = getattr(ckpt, "aliases", set())  # a GGUF's tied head: packed again, same parameters
+        # A GGUF's tied head: its own packed copy (values, fp32 scales and offsets), no parameters of its
+        # own; the embedding is looked up in it (model/quantized_embedding.py), no bytes of its own.
+        aliases = getattr(ckpt, "aliases", set())
+        embedding_in_head = "lm_head.weight" in aliases
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
             if n in aliases:
-                native_bytes += count if ckpt.stored_dtype(n) == "I8" else 0
+                native_bytes += count * (1 if ckpt.stored_dtype(n) == "I8" else 4)
                 continue
             stored = ckpt.stored_dtype(n)
+            if embedding_in_head and n == "model.embed_tokens.weight":
+                params += count
+                weight_bytes += count * elem
+                continue
             if stored in FLOAT_DTYPES:
                 per_group = n.endswith(("weight_scale", "weight_offset"))  # fp32 per group, not parameters
                 weight_bytes += count * (4 if per_group else elem)

@@ -20,7 +20,7 @@ from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
-from cpuserve.model.quantized_embedding import QuantizedEmbedding
+from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbedding
 from cpuserve.model.source import ModelSource
 from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
@@ -176,9 +176,20 @@ def load_model(
                 + f" for {spec.architecture}: does config.json describe this checkpoint?"
             )
         bar = tqdm(total=len(expected) + len(linears), desc="loading weights", unit="tensor", disable=not progress)
-        # A table the file holds quantized stays so (an untied one: a tied head reads the float table).
+        # A table the file holds quantized stays so (an untied one: a tied head reads the float table);
+        # one the output head repeats (a GGUF's tied table on the kernels) is read from the head.
+        head = linears.get("lm_head")
+        from_head = (
+            EMBEDDING in expected
+            and "lm_head.weight" in getattr(ckpt, "aliases", ())
+            and head is not None
+            and head.quant is not None
+            and ckpt.shape(EMBEDDING) == (head.out_features, head.in_features)
+        )
         embedding = None
-        if not spec.tie_word_embeddings and EMBEDDING in expected and hasattr(ckpt, "quantized_table"):
+        if from_head:
+            pass  # built once the head is packed
+        elif not spec.tie_word_embeddings and EMBEDDING in expected and hasattr(ckpt, "quantized_table"):
             table = ckpt.quantized_table(EMBEDDING)
             if table is not None and tuple(table.values.shape) != expected[EMBEDDING]:
                 raise CheckpointError(
@@ -189,7 +200,7 @@ def load_model(
                 embedding = QuantizedEmbedding(table.values, table.scales, table.offsets, torch_dtype)
                 del table
         for name in expected:
-            if name != EMBEDDING or embedding is None:
+            if name != EMBEDDING or (embedding is None and not from_head):
                 state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
             bar.update()
         for name, layer in linears.items():
@@ -205,12 +216,14 @@ def load_model(
             )
             bar.update()
         bar.close()
+    if from_head:
+        embedding = HeadRowsEmbedding(model.lm_head, torch_dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing_keys = [k for k in result.missing_keys if k not in owned and not k.startswith("lm_head.")]
     if embedding is not None:
         missing_keys.remove(EMBEDDING)
         model.model.embed_tokens = embedding
-        log.info("token embedding kept as in the file: %s", model.model.embed_tokens.extra_repr())
+        log.info("token embedding: %s", model.model.embed_tokens.extra_repr())
     if result.unexpected_keys or missing_keys:
         raise RuntimeError(f"internal: state dict mismatch {[*result.unexpected_keys, *missing_keys][:3]}")
     if spec.tie_word_embeddings:  # one tensor, not two copies

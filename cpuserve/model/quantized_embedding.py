@@ -7,9 +7,15 @@ the compute dtype it costs 2-4x its file's bytes in RAM (the 2B's Q4_K table: 51
 against 150 MB in the file), and the float32 intermediate made the load's peak twice that again.
 Rows come out exactly as the float table's would: values * scale (+ offset) in float32, then the
 compute dtype.
+
+A table that is also the output head (a tied GGUF: Gemma 3, SmolLM2) is not kept twice:
+HeadRowsEmbedding looks its rows up in the head's packed weights (the kernel's layout), which hold
+the same values and scales.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,3 +58,25 @@ class QuantizedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         kind = "int4" if self.nibbles else "int8"
         return f"{self.num_embeddings}, {self.embedding_dim}, {kind} groups of {self.group}, out {self.dtype}"
+
+
+class HeadRowsEmbedding(nn.Module):
+    """The token embedding of a tied quantized table, read from the output head that holds it: row
+    i of the embedding is output channel i of the head (IntWeightMethod.weight_rows, whatever layout
+    the kernel packed), dequantized exactly as QuantizedEmbedding's."""
+
+    def __init__(self, head: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = (head,)  # not a submodule: the head is the model's lm_head, registered there
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        rows = head.method.weight_rows(head, ids.reshape(-1))
+        return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        head = self._head[0]
+        where = f"the output head's {head.quant.name} weights"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {where}, out {self.dtype}"

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from cpuserve.errors import CheckpointError
 from cpuserve.quant import offsets_layout
 from cpuserve.quant.config import WeightQuant
-from cpuserve.quant.packing import unpack_int, unpack_int8, unpack_nibbles
+from cpuserve.quant.packing import panel_scale_index, unpack_int, unpack_int8, unpack_nibbles, unpack_rows
 from cpuserve.quant.reference import reference_forward
 
 FLOAT_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -325,6 +325,28 @@ class IntWeightMethod:
         if layer.offsets is not None or layer.kernel_offsets is None:
             return layer.offsets
         return offsets_layout.from_chunks(layer.kernel_offsets, layer.out_features, self.groups(layer.in_features))
+
+    def weight_rows(self, layer: Any, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (output channels) of the dequantized weight, fp32 [len(rows), K], read from whatever
+        holds them (the kernel's layout too): values * scale (+ offset), as dequantized_weight gives
+        them. A tied GGUF embedding is looked up here, in its head's packed copy."""
+        n, k, groups = layer.out_features, layer.in_features, self.groups(layer.in_features)
+        if layer.qweight is not None or layer.weight_words is not None:
+            values = self.int_weight(layer)[rows]
+        else:
+            values = unpack_rows(layer.packed, layer.packed_layout, self.quant.bits, n, k, rows)
+        if layer.scales is not None:
+            scales = layer.scales[rows]
+        elif layer.packed_layout.endswith("panel"):
+            scales = layer.kernel_scales.view(-1)[panel_scale_index(n, groups, rows)]
+        else:
+            scales = layer.kernel_scales.view(n, groups)[rows]
+        w = values.float().view(len(rows), groups, k // groups) * scales.unsqueeze(-1)
+        if layer.offsets is not None:
+            w = w + layer.offsets[rows].unsqueeze(-1)
+        elif layer.kernel_offsets is not None:
+            w = w + layer.kernel_offsets[offsets_layout.chunk_index(n, groups, rows)].unsqueeze(-1)
+        return w.view(len(rows), k)
 
     def dequantized_weight(self, layer: Any) -> torch.Tensor:
         n, k = layer.out_features, layer.in_features

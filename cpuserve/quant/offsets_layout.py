@@ -28,3 +28,13 @@ def from_chunks(flat: torch.Tensor, n: int, groups: int) -> torch.Tensor:
     head = flat[: full * groups].reshape(n // CHUNK, groups, CHUNK).transpose(1, 2).reshape(full, groups)
     tail = flat[full * groups :].reshape(groups, n - full).t()
     return torch.cat([head, tail]).contiguous()
+
+
+def chunk_index(n: int, groups: int, rows: torch.Tensor) -> torch.Tensor:
+    """Where the offsets [len(rows), G] of rows are in the driver's order (offsets_index)."""
+    full = n // CHUNK * CHUNK
+    g = torch.arange(groups).view(1, -1)
+    r = rows.view(-1, 1)
+    in_chunk = (r // CHUNK) * CHUNK * groups + g * CHUNK + r % CHUNK
+    in_tail = full * groups + g * (n - full) + (r - full)
+    return torch.where(r < full, in_chunk, in_tail)

@@ -1,6 +1,7 @@
 """Integer weight layouts and their inverses: the checkpoint's packed int32 words (compressed-tensors
 pack-quantized) and the native kernels' nibble and panel layouts, read back to int8 [N, K] values
-(for the reference path, tests and tools)."""
+(for the reference path, tests and tools), whole or some rows at a time (a tied GGUF embedding
+looked up in its output head's packed weights)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,36 @@ def unpack_int8(packed: torch.Tensor, k: int, layout: str) -> torch.Tensor:
         return (steps ^ flip).view(torch.int8).reshape(steps.shape[0], -1)[:, :k]
 
     return _unpanel(packed, packed.shape[0], packed.shape[1], panel)
+
+
+def panel_index(n: int, per_column: int, rows: torch.Tensor) -> torch.Tensor:
+    """Where rows (output columns) of a panel layout [N, per_column bytes] are, in the flat buffer:
+    [len(rows), per_column // 4, 4], each row's steps in order, 4 bytes a step."""
+    p = rows // PANEL
+    width = (n - p * PANEL).clamp(max=PANEL)
+    base = p * PANEL * per_column + (rows % PANEL) * 4
+    steps = torch.arange(per_column // 4) * 4
+    return base.view(-1, 1, 1) + steps.view(1, -1, 1) * width.view(-1, 1, 1) + torch.arange(4).view(1, 1, 4)
+
+
+def unpack_rows(packed: torch.Tensor, layout: str, bits: int, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a native layout (as unpack_nibbles / unpack_int8 name them) -> int8 [len(rows), K]."""
+    if layout == "signed":
+        return packed[rows]
+    if bits == 4 and layout != "offset_panel":
+        return unpack_nibbles(packed[rows], k, layout)
+    steps = packed.reshape(-1)[panel_index(n, packed.shape[1], rows)]  # [R, steps, 4]
+    if bits == 8:
+        flip = 0x80 if layout == "offset_panel" else 0
+        return (steps ^ flip).view(torch.int8).reshape(len(rows), packed.shape[1])[:, :k]
+    lo, hi = (steps & 0x0F).to(torch.int8) - 8, (steps >> 4).to(torch.int8) - 8
+    return torch.cat((lo, hi), dim=-1).reshape(len(rows), k)
+
+
+def panel_scale_index(n: int, groups: int, rows: torch.Tensor) -> torch.Tensor:
+    """Where the group scales [len(rows), G] of rows are in panel order (pack_scales of a panel
+    variant: panel p at 16p * G, then per group its w columns)."""
+    p = rows // PANEL
+    width = (n - p * PANEL).clamp(max=PANEL)
+    base = p * PANEL * groups + rows % PANEL
+    return base.view(-1, 1) + torch.arange(groups).view(1, -1) * width.view(-1, 1)
