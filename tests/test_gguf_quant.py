@@ -227,3 +227,38 @@ def test_a_tied_embedding_read_from_its_heads_packed_weights_is_the_tables_rows(
             assert got.dtype == dtype and got.shape == (2, 4, k)
             assert torch.equal(got, table.to(dtype)[ids]), (kind, kernel and kernel.variant)
         assert HeadRowsEmbedding(layer, torch.float32)(torch.tensor([], dtype=torch.long)).shape == (0, k)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_head_packed_slice_by_slice_is_the_head_packed_whole(kind):
+    """load_packed (the GGUF head decoded and packed a few rows at a time) leaves exactly the copies
+    load_shard + process_weights_after_loading leave, on every variant: slices of 32 rows over 70
+    (a last panel of 6 columns, a last offsets chunk cut short); a bad slice is refused, named."""
+    from cpuserve.model.gguf_source import linear_scheme
+    from cpuserve.quant.gguf_blocks import DecodedWeight
+
+    kernels = native()
+    n, k = 70, 512
+    for name in runnable_variants():
+        kernel = KernelChoice(kernels, kernels.variant(name))
+        whole, d = _linear(kind, n, k, seed=13, kernel=kernel)
+        method = IntWeightMethod(linear_scheme(kind), torch.float32)
+        with torch.device("meta"):
+            sliced = Linear(k, [n], False, method)
+
+        def part(r0, r1, d=d):
+            return r0, DecodedWeight(
+                d.values[r0:r1], d.scales[r0:r1], None if d.offsets is None else d.offsets[r0:r1], d.scheme
+            )
+
+        assert method.load_packed(sliced, "lm_head", (part(r, min(n, r + 32)) for r in range(0, n, 32)), kernel, "f")
+        for attr in ("packed", "qweight", "kernel_scales", "scales", "kernel_offsets", "offsets"):
+            a, b = getattr(whole, attr), getattr(sliced, attr)
+            assert (a is None and b is None) or torch.equal(a, b), (kind, name, attr)
+        assert sliced.packed_layout == whole.packed_layout and sliced.kernel is kernel
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(sliced(x), whole(x))
+        with torch.device("meta"):
+            bad = Linear(k, [n], False, method)
+        with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight': rows 8\.\.40"):
+            method.load_packed(bad, "lm_head", iter([part(8, 40)]), kernel, "f")

@@ -260,6 +260,31 @@ class GGUFCheckpoint:
         offsets = None if d.offsets is None else self._rows_of(base, d.offsets)
         return DecodedWeight(self._rows_of(base, d.values), self._rows_of(base, d.scales), offsets, d.scheme)
 
+    def row_slices(self, prefix: str, rows: int) -> Iterator[tuple[int, DecodedWeight]] | None:
+        """The output head's decoded blocks `rows` rows at a time, (first row, slice), decoded from
+        the file slice by slice, so the loader packs each into the kernel's copy and the whole
+        decoded head never exists (a 2B's Q6_K head decoded is 330 MB). None for other tensors
+        (whose rows may be permuted: llama's q/k) and for types without a kernel scheme."""
+        name = f"{prefix}.weight"
+        if prefix != "lm_head" or name not in self._virtual:
+            return None
+        t = self.table[self._virtual[name][0]]
+        if t.kind not in SCHEMES or len(t.shape) != 2:
+            return None
+        n, k = t.shape
+        row_bytes = t.n_bytes // n
+        what = f"{self.path}: tensor '{t.gguf_name}'"
+
+        def slices() -> Iterator[tuple[int, DecodedWeight]]:
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                part = GGUFTensor(
+                    t.gguf_name, t.kind, name, (r1 - r0, k), t.offset + r0 * row_bytes, (r1 - r0) * row_bytes
+                )
+                yield r0, decode(t.kind, self._read(part), r1 - r0, k, what)
+
+        return slices()
+
     def get(self, name: str) -> torch.Tensor:
         base, part = self._virtual[name]
         t = self.table[base]

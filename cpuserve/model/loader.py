@@ -12,6 +12,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -100,6 +101,18 @@ def _quantized_lm_head(head: Linear, kind: str, dtype: torch.dtype, kernel: Kern
     method.process_weights_after_loading(new, kernel)
     log.info("lm_head quantized to %s: logits carry its rounding error", quant.name)
     return new
+
+
+def _loaded_in_slices(layer: Linear, shards: list, ckpt: Any, kernel: KernelChoice | None) -> bool:
+    """The output head of a GGUF, decoded and packed a few MB of rows at a time (GGUFCheckpoint.row_slices,
+    IntWeightMethod.load_packed): the largest linear's decoded copy, its int8 copy and its packed one
+    at once were the load's peak. False: load it the ordinary way."""
+    if kernel is None or layer.quant is None or len(shards) != 1 or not hasattr(ckpt, "row_slices"):
+        return False
+    prefix = shards[0][0]
+    rows = max(16, (1 << 22) // layer.in_features // 16 * 16)
+    slices = ckpt.row_slices(prefix, rows)
+    return slices is not None and layer.method.load_packed(layer, prefix, slices, kernel, str(ckpt.file_of(prefix)))
 
 
 def _shard_prefixes(model: CausalLM, name: str) -> list[str]:
@@ -204,6 +217,9 @@ def load_model(
                 state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
             bar.update()
         for name, layer in linears.items():
+            if _loaded_in_slices(layer, shards[name], ckpt, kernel):
+                bar.update()
+                continue
             for i, (prefix, tensors) in enumerate(shards[name]):
                 layer.method.load_shard(layer, i, prefix, ckpt)
                 if layer.bias is not None:

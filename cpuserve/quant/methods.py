@@ -252,6 +252,64 @@ class IntWeightMethod:
                 raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has non-finite offsets")
             _real(layer, "offsets", layer.offsets.shape, torch.float32)[rows] = offset
 
+    def load_packed(self, layer: Any, prefix: str, slices: Any, kernel: KernelChoice, file: str) -> bool:
+        """load_shard and process_weights_after_loading in one, for a one-shard layer whose checkpoint
+        hands its decoded rows out in slices ((first row, DecodedWeight), rows a multiple of 16):
+        each slice checked and packed into the kernel's copies, which are what a whole pack gives
+        (a panel's bytes, its scales and a chunk's offsets are rows 16p.. of each, in order). Peak:
+        the packed weight and one slice, not the decoded weight, its int8 copy and the packed one.
+        False (nothing done) when the layer does not fit the kernel or has more than one shard."""
+        n, k = layer.out_features, layer.in_features
+        if len(layer.output_sizes) != 1 or not self.fits(k) or layer.bias is not None:
+            return False
+        mod, variant, groups = kernel.kernels, kernel.variant, self.groups(k)
+        bits4 = self.quant.bits == 4
+        layout = mod.int4_layout(variant) if bits4 else mod.int8_layout(variant)
+        width = k // 2 if bits4 else (k if layout == "signed" else -(-k // 4) * 4)
+        dtype = torch.int8 if layout in ("signed", "signed_panel") else torch.uint8
+        packed = torch.empty(n, width, dtype=dtype)
+        scales = torch.empty(n, groups, dtype=torch.float32)
+        offsets = torch.empty(n * groups, dtype=torch.float32) if self.quant.offsets else None
+        what = f"for {self.quant.name} ({n} x {k})"
+        for r0, d in slices:
+            r1 = r0 + d.values.shape[0]
+            if r0 % 16 or r1 > n or d.values.shape[1] != k or d.scales.shape != (r1 - r0, groups):
+                raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} do not fit {what}")
+            q, scale = torch.from_numpy(d.values), torch.from_numpy(d.scales)
+            self._check_values(
+                f"{file}: tensor '{prefix}", q, scale, None if d.offsets is None else torch.from_numpy(d.offsets)
+            )
+            if bits4:
+                packed[r0:r1] = mod.pack_int4(q, variant)
+            else:
+                packed[r0:r1] = q if layout == "signed" else mod.pack_int8(q, variant)
+            scales[r0:r1] = mod.pack_scales(scale, variant) if self.quant.group_size else scale
+            if offsets is not None:
+                offsets[r0 * groups : r1 * groups] = offsets_layout.to_chunks(torch.from_numpy(d.offsets))
+        layer.qweight, layer.weight_words, layer.offsets = None, None, None
+        layer.packed_layout = layout
+        if layout == "signed":
+            layer.qweight = packed
+        else:
+            layer.packed = packed
+        if self.quant.group_size or bits4:
+            layer.kernel_scales, layer.scales = scales, None
+        else:
+            layer.scales = scales
+        layer.kernel_offsets = offsets
+        layer.kernel = kernel
+        return True
+
+    def _check_values(self, where: str, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
+        """What load_shard refuses in a checkpoint's values, scales and offsets; where: "file: tensor 'prefix"."""
+        lo, hi = -(1 << (self.quant.bits - 1)), (1 << (self.quant.bits - 1)) - 1
+        if self.quant.bits < 8 and (q.min() < lo or q.max() > hi):
+            raise CheckpointError(f"{where}.weight' holds values outside [{lo}, {hi}] for {self.quant.name}")
+        if not torch.isfinite(scale).all():
+            raise CheckpointError(f"{where}.weight_scale' has non-finite scales")
+        if offset is not None and not torch.isfinite(offset).all():
+            raise CheckpointError(f"{where}.weight_offset' has non-finite offsets")
+
     def set_weights(self, layer: Any, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         """Int8 values and scales made in memory (the output head quantized at load), in place of
         load_shard; process_weights_after_loading follows as for a checkpoint."""
