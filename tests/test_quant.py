@@ -279,6 +279,7 @@ def test_int4_values_out_of_range(tmp_path):
         (lambda w, a: w.update(group_size=256), "group_size 256 is not supported"),
         (lambda w, a: a.update(dynamic=False), "input activations int8 token static are not supported"),
         (lambda w, a: a.update(strategy="tensor"), "input activations int8 tensor dynamic"),
+        (lambda w, a: a.update(strategy="group", group_size=64), "input activations int8 group 64 dynamic"),
     ],
 )
 def test_unsupported_schemes_are_refused_naming_scheme_and_group(tmp_path, change, message):
@@ -291,6 +292,35 @@ def test_unsupported_schemes_are_refused_naming_scheme_and_group(tmp_path, chang
     _edit_quant(d, edit)
     with pytest.raises(ConfigError, match=f"group_0: .*{message}"):
         load_model(d)
+
+
+def test_activations_per_group_of_the_weights_load_as_such(tmp_path):
+    """input_activations strategy "group" with the weights' group size: one int8 scale per token and
+    group (as GGUF's schemes run), through the kernels exactly as the integer reference computes it."""
+    d = _copy(FIXTURES / "w4a8", tmp_path)
+    _edit_quant(
+        d, lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=128)
+    )
+    per_group, per_token = load_model(d, "float32", fuse=False), load_model(FIXTURES / "w4a8", "float32", fuse=False)
+    layer = per_group.model.layers[0].mlp.gate_proj
+    assert layer.quant.act_groups and layer.quant.name.endswith("(A8 per group)")
+    assert not per_token.model.layers[0].mlp.gate_proj.quant.act_groups
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x[:, 3] *= 30  # an outlier channel: per group, the other groups keep their resolution
+    want = reference_forward(x, layer.int_weight(), layer.weight_scales(), None, None, True)
+    assert (layer(x) - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert not torch.allclose(layer(x), per_token.model.layers[0].mlp.gate_proj(x))
+    expected = load_file(str(FIXTURES / "w4a8-expected.safetensors"))
+    ref = expected["logits"]
+    assert (per_group(expected["input_ids"]) - ref).abs().max().item() < 0.08 * ref.abs().max().item()
+
+
+def test_quantize_writes_activations_per_group_when_asked(smol_dir, tmp_path):
+    out = quantize_checkpoint(smol_dir, tmp_path / "g", "w4a8", 64, calibration=None, act_groups=True, progress=False)
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["input_activations"]["strategy"] == "group" and group["input_activations"]["group_size"] == 64
+    with pytest.raises(ConfigError, match="--activations group: needs weights in groups"):
+        quantize_checkpoint(smol_dir, tmp_path / "c", "w8a8", calibration=None, act_groups=True, progress=False)
 
 
 def test_quantize_refuses_a_group_size_that_does_not_divide(smol_dir, tmp_path):

@@ -33,6 +33,12 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     qz.add_argument("--group-size", type=int, default=None, help="w4a8: 32, 64 or 128 (default), 0 per channel")
     qz.add_argument("--pack", action="store_true", help="pack-quantized (int32 words) instead of int-quantized")
     qz.add_argument(
+        "--activations",
+        default="token",
+        choices=["token", "group"],
+        help="int8 activation scales per token (default; what vLLM reads) or per group of the weights' (w4a8)",
+    )
+    qz.add_argument(
         "--ignore",
         action="append",
         default=None,
@@ -145,6 +151,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         scale_method=args.scale_method,
         calibration=None if args.no_calibration else [Path(p) for p in args.calibration or []] or "self",
         calibration_options=CalibrationOptions(**options),
+        act_groups=args.activations == "group",
         **{k: v for k, v in sizes.items() if v is not None},
     )
     log.info("wrote %s", out)

@@ -61,7 +61,10 @@ def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]
         "strategy": "group" if quant.group_size else "channel",
         "group_size": quant.group_size,
     }
-    activations = {**args, "num_bits": 8, "strategy": "token", "group_size": None, "dynamic": True, "observer": None}
+    # per token (the reference's contract, what vLLM reads), or per group of the weights' (--activations group)
+    strategy, act_group = ("group", quant.group_size) if quant.act_groups else ("token", None)
+    activations = {**args, "num_bits": 8, "strategy": strategy, "group_size": act_group, "dynamic": True}
+    activations["observer"] = None
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
@@ -97,6 +100,7 @@ def quantize_checkpoint(
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     calibration_window: int = 512,
     calibration_seed: int = 0,
+    act_groups: bool = False,
 ) -> Path:
     """Write OUT as a compressed-tensors checkpoint; with calibration texts, or "self" (text the model
     writes itself, offline/self_calibration.py), smoothing and GPTQ (cpuserve/offline/calibrate.py)
@@ -113,7 +117,9 @@ def quantize_checkpoint(
             )
     elif group_size not in (None, 0):
         raise ConfigError("--group-size: w8a8 is channel-wise (one scale per output channel)")
-    quant = WeightQuant(bits=bits, group_size=group_size or None, packed=pack)
+    if act_groups and not (bits == 4 and group_size):
+        raise ConfigError("--activations group: needs weights in groups (w4a8 with a --group-size)")
+    quant = WeightQuant(bits=bits, group_size=group_size or None, packed=pack, act_groups=act_groups)
     ignore = list(ignore) if ignore is not None else ["lm_head"]
     spec = load_spec(src)
     if spec.quantization_config is not None:

@@ -25,7 +25,8 @@ class WeightQuant:
     and whether each group also has an additive offset (w = s * q + offset: the GGUF formats with
     a minimum, quant/gguf_blocks.py; compressed-tensors checkpoints never do). act_groups: the
     activations are quantized per group of the weight's instead of per token (GGUF's numerics:
-    llama.cpp's int8 activation blocks; compressed-tensors says per token and gets it)."""
+    llama.cpp's int8 activation blocks; a compressed-tensors checkpoint says which: input
+    activations strategy "token", or "group" with the weights' group size)."""
 
     bits: int
     group_size: int | None
@@ -148,11 +149,17 @@ def _weight_quant(group: dict[str, Any], fmt: str | None, where: str) -> WeightQ
             f"{where}: weight-only schemes (W{bits}A16) are not supported; activations must be int8 per token, dynamic"
         )
     activation = (a.get("num_bits"), a.get("type", "int"), a.get("strategy"), bool(a.get("dynamic")))
-    if activation != (8, "int", "token", True):
+    # Per group: one int8 scale per token and weight group (as llama.cpp's Q8 activation blocks).
+    act_groups = (
+        group_size is not None and activation == (8, "int", "group", True) and a.get("group_size") == group_size
+    )
+    if activation != (8, "int", "token", True) and not act_groups:
         raise ConfigError(
             f"{where}: input activations int{a.get('num_bits')} {a.get('strategy')} "
-            f"{'dynamic' if a.get('dynamic') else 'static'} are not supported (int8, per token, dynamic)"
+            f"{'' if a.get('group_size') is None else str(a.get('group_size')) + ' '}"
+            f"{'dynamic' if a.get('dynamic') else 'static'} are not supported (int8 dynamic, per token or per "
+            "group of the weights' group size)"
         )
     if not a.get("symmetric", True):
         raise ConfigError(f"{where}: asymmetric activations are not supported")
-    return WeightQuant(bits=bits, group_size=group_size, packed=fmt == PACKED_FORMAT)
+    return WeightQuant(bits=bits, group_size=group_size, packed=fmt == PACKED_FORMAT, act_groups=act_groups)
