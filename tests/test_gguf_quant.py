@@ -251,7 +251,13 @@ def test_a_head_packed_slice_by_slice_is_the_head_packed_whole(kind):
                 d.values[r0:r1], d.scales[r0:r1], None if d.offsets is None else d.offsets[r0:r1], d.scheme
             )
 
-        assert method.load_packed(sliced, "lm_head", (part(r, min(n, r + 32)) for r in range(0, n, 32)), kernel, "f")
+        ckpt = _Tensors(
+            {"lm_head.weight": torch.zeros(n, k), "lm_head.weight_scale": torch.zeros(n, k // d.scheme.group)}
+        )
+        if d.offsets is not None:
+            ckpt.tensors["lm_head.weight_offset"] = ckpt.tensors["lm_head.weight_scale"]
+        slices = (part(r, min(n, r + 32)) for r in range(0, n, 32))
+        assert method.load_packed(sliced, "lm_head", ckpt, slices, kernel)
         for attr in ("packed", "qweight", "kernel_scales", "scales", "kernel_offsets", "offsets"):
             a, b = getattr(whole, attr), getattr(sliced, attr)
             assert (a is None and b is None) or torch.equal(a, b), (kind, name, attr)
@@ -261,4 +267,11 @@ def test_a_head_packed_slice_by_slice_is_the_head_packed_whole(kind):
         with torch.device("meta"):
             bad = Linear(k, [n], False, method)
         with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight': rows 8\.\.40"):
-            method.load_packed(bad, "lm_head", iter([part(8, 40)]), kernel, "f")
+            method.load_packed(bad, "lm_head", ckpt, iter([part(8, 40)]), kernel)
+        with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight' ends at row 64, expected 70"):
+            method.load_packed(bad, "lm_head", ckpt, iter([part(0, 32), part(32, 64)]), kernel)
+        short = _Tensors({**ckpt.tensors, "lm_head.weight": torch.zeros(n - 16, k)})
+        with pytest.raises(
+            CheckpointError, match=r"tensor 'lm_head\.weight' has shape \[54, 512\], expected \[70, 512\]"
+        ):
+            method.load_packed(bad, "lm_head", short, iter([]), kernel)

@@ -42,7 +42,9 @@ def model_facts(
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
             if n in aliases:
-                native_bytes += count * (1 if ckpt.stored_dtype(n) == "I8" else 4)
+                head = qc.scheme_for("lm_head") if qc else None
+                per_value = 0.5 if head is not None and head.bits == 4 else 1  # int4 as nibbles
+                native_bytes += int(count * (per_value if ckpt.stored_dtype(n) == "I8" else 4))
                 continue
             stored = ckpt.stored_dtype(n)
             if embedding_in_head and n == "model.embed_tokens.weight":

@@ -112,7 +112,7 @@ def _loaded_in_slices(layer: Linear, shards: list, ckpt: Any, kernel: KernelChoi
     prefix = shards[0][0]
     rows = max(16, (1 << 22) // layer.in_features // 16 * 16)
     slices = ckpt.row_slices(prefix, rows)
-    return slices is not None and layer.method.load_packed(layer, prefix, slices, kernel, str(ckpt.file_of(prefix)))
+    return slices is not None and layer.method.load_packed(layer, prefix, ckpt, slices, kernel)
 
 
 def _shard_prefixes(model: CausalLM, name: str) -> list[str]:

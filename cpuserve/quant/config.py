@@ -146,7 +146,8 @@ def _weight_quant(group: dict[str, Any], fmt: str | None, where: str) -> WeightQ
         raise ConfigError(f"{where}: int8 weights by group are not supported (int8 is channel-wise)")
     if not a:
         raise ConfigError(
-            f"{where}: weight-only schemes (W{bits}A16) are not supported; activations must be int8 per token, dynamic"
+            f"{where}: weight-only schemes (W{bits}A16) are not supported; "
+            "activations must be int8 dynamic, per token or per group"
         )
     activation = (a.get("num_bits"), a.get("type", "int"), a.get("strategy"), bool(a.get("dynamic")))
     # Per group: one int8 scale per token and weight group (as llama.cpp's Q8 activation blocks).

@@ -252,7 +252,7 @@ class IntWeightMethod:
                 raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has non-finite offsets")
             _real(layer, "offsets", layer.offsets.shape, torch.float32)[rows] = offset
 
-    def load_packed(self, layer: Any, prefix: str, slices: Any, kernel: KernelChoice, file: str) -> bool:
+    def load_packed(self, layer: Any, prefix: str, ckpt: Checkpoint, slices: Any, kernel: KernelChoice) -> bool:
         """load_shard and process_weights_after_loading in one, for a one-shard layer whose checkpoint
         hands its decoded rows out in slices ((first row, DecodedWeight), rows a multiple of 16):
         each slice checked and packed into the kernel's copies, which are what a whole pack gives
@@ -271,10 +271,16 @@ class IntWeightMethod:
         scales = torch.empty(n, groups, dtype=torch.float32)
         offsets = torch.empty(n * groups, dtype=torch.float32) if self.quant.offsets else None
         what = f"for {self.quant.name} ({n} x {k})"
+        for name, shape in self.checkpoint_tensors(prefix, n, k).items():  # before any data is read
+            _checked_shape(ckpt, name, shape, what)
+        file, covered = ckpt.file_of(f"{prefix}.weight"), 0
         for r0, d in slices:
             r1 = r0 + d.values.shape[0]
             if r0 % 16 or r1 > n or d.values.shape[1] != k or d.scales.shape != (r1 - r0, groups):
                 raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} do not fit {what}")
+            if r0 != covered or (d.offsets is None) == bool(self.quant.offsets):
+                raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} do not follow row {covered}")
+            covered = r1
             q, scale = torch.from_numpy(d.values), torch.from_numpy(d.scales)
             self._check_values(
                 f"{file}: tensor '{prefix}", q, scale, None if d.offsets is None else torch.from_numpy(d.offsets)
@@ -286,6 +292,8 @@ class IntWeightMethod:
             scales[r0:r1] = mod.pack_scales(scale, variant) if self.quant.group_size else scale
             if offsets is not None:
                 offsets[r0 * groups : r1 * groups] = offsets_layout.to_chunks(torch.from_numpy(d.offsets))
+        if covered != n:
+            raise CheckpointError(f"{file}: tensor '{prefix}.weight' ends at row {covered}, expected {n} {what}")
         layer.qweight, layer.weight_words, layer.offsets = None, None, None
         layer.packed_layout = layout
         if layout == "signed":

@@ -67,8 +67,9 @@ _declined: Counter[str] = Counter()
 _layers: list[str] = []
 
 
-# compressed-tensors schemes have neither GGUF's per-group offsets nor per-group activations, and the
-# variant is the process's (_kernel, chosen once): the op takes tensors, the bit width and the size.
+# The schemes taken here have neither GGUF's per-group offsets nor per-group activations (a checkpoint
+# asking for those is declined), and the variant is the process's (_kernel, chosen once): the op
+# takes tensors, the bit width and the size.
 @torch.library.custom_op(
     "cpuserve::int_linear",
     mutates_args=(),

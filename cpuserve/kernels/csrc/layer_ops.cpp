@@ -8,7 +8,7 @@
 // Their reference twins are the pure-torch functions in cpuserve/model/ops.py. Each op rounds where
 // the reference rounds (to bf16/fp16 after every torch op that produces a tensor of that dtype), so
 // in fp32 the elementwise ops are bit-identical to torch; only sums (the RMSNorm mean, attention dot
-// products) run in a different order. Loops are written with 8 independent partial sums so the
+// products) run in a different order, and exp and tanh (SiLU, GeGLU) are other implementations. Loops are written with 8 independent partial sums so the
 // compiler vectorizes them without reassociating float adds (-ffp-contract=off, no fast-math).
 
 #include <torch/csrc/utils/pybind.h>
@@ -47,12 +47,12 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// exp(x) within ~2 ulp (x clamped to [-87, 89]: exp(-87) is tiny, and above 88.72 exp overflows to
-// inf, as std::exp does, through n = 128's exponent bits), branch-free so that a loop of it vectorizes (std::exp does not, and one call per element
+// exp(x) within ~2 ulp for x in [-87, 88.37] (clamped there: exp(-87) is tiny, and from 88.38 on
+// n would be 128, outside float's exponents; a NaN becomes -87: callers keep x's NaN), branch-free so that a loop of it vectorizes (std::exp does not, and one call per element
 // was most of a GeGLU prefill): 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 with ln 2 in two parts
 // (Cody-Waite), e^r by Cephes' expf polynomial on [-ln 2 / 2, ln 2 / 2], 2^n made in the exponent bits.
 inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.f), 89.f);
+  x = std::min(88.3762626647949f, std::max(-87.f, x));  // argument order: a NaN x gives -87
   const float shift = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer (the default rounding)
   const float n = (x * 1.44269504088896341f + shift) - shift;
   float r = x - n * 0.693359375f;
@@ -64,7 +64,7 @@ inline float exp_poly(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
