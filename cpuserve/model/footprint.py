@@ -41,15 +41,16 @@ def model_facts(
         embedding_in_head = "lm_head.weight" in aliases
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
-            if n in aliases:
+            if n in aliases:  # in memory as the kernel holds it: what the plan reserves for the table
                 head = qc.scheme_for("lm_head") if qc else None
                 per_value = 0.5 if head is not None and head.bits == 4 else 1  # int4 as nibbles
-                native_bytes += int(count * (per_value if ckpt.stored_dtype(n) == "I8" else 4))
+                held = int(count * (per_value if ckpt.stored_dtype(n) == "I8" else 4))
+                native_bytes += held
+                weight_bytes += held
                 continue
             stored = ckpt.stored_dtype(n)
             if embedding_in_head and n == "model.embed_tokens.weight":
                 params += count
-                weight_bytes += count * elem
                 continue
             if stored in FLOAT_DTYPES:
                 per_group = n.endswith(("weight_scale", "weight_offset"))  # fp32 per group, not parameters

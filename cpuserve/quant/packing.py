@@ -77,13 +77,13 @@ def unpack_int8(packed: torch.Tensor, k: int, layout: str) -> torch.Tensor:
 
 
 def panel_index(n: int, per_column: int, rows: torch.Tensor) -> torch.Tensor:
-    """Where rows (output columns) of a panel layout [N, per_column bytes] are, in the flat buffer:
-    [len(rows), per_column // 4, 4], each row's steps in order, 4 bytes a step."""
+    """Where rows (output columns) of a panel layout [N, per_column bytes] are, as 4-byte words of the
+    flat buffer: [len(rows), per_column // 4], each row's steps in order (a step of a column is one
+    word: an int64 index per 4 bytes, not per byte)."""
     p = rows // PANEL
     width = (n - p * PANEL).clamp(max=PANEL)
-    base = p * PANEL * per_column + (rows % PANEL) * 4
-    steps = torch.arange(per_column // 4) * 4
-    return base.view(-1, 1, 1) + steps.view(1, -1, 1) * width.view(-1, 1, 1) + torch.arange(4).view(1, 1, 4)
+    base = p * PANEL * (per_column // 4) + rows % PANEL
+    return base.view(-1, 1) + torch.arange(per_column // 4).view(1, -1) * width.view(-1, 1)
 
 
 def unpack_rows(packed: torch.Tensor, layout: str, bits: int, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,8 @@ def unpack_rows(packed: torch.Tensor, layout: str, bits: int, n: int, k: int, ro
         return packed[rows]
     if bits == 4 and layout != "offset_panel":
         return unpack_nibbles(packed[rows], k, layout)
-    steps = packed.reshape(-1)[panel_index(n, packed.shape[1], rows)]  # [R, steps, 4]
+    words = packed.reshape(-1).view(torch.int32)[panel_index(n, packed.shape[1], rows)]
+    steps = words.view(torch.uint8).view(len(rows), packed.shape[1] // 4, 4)  # [R, steps, 4], bytes in order
     if bits == 8:
         flip = 0x80 if layout == "offset_panel" else 0
         return (steps ^ flip).view(torch.int8).reshape(len(rows), packed.shape[1])[:, :k]
