@@ -39,11 +39,11 @@ def model_facts(
         # own; the embedding is looked up in it (model/quantized_embedding.py), no bytes of its own.
         aliases = getattr(ckpt, "aliases", set())
         embedding_in_head = "lm_head.weight" in aliases
+        head = qc.scheme_for("lm_head") if qc and aliases else None
+        per_value = 0.5 if head is not None and head.bits == 4 else 1  # an int4 head's values as nibbles
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
             if n in aliases:  # in memory as the kernel holds it: what the plan reserves for the table
-                head = qc.scheme_for("lm_head") if qc else None
-                per_value = 0.5 if head is not None and head.bits == 4 else 1  # int4 as nibbles
                 held = int(count * (per_value if ckpt.stored_dtype(n) == "I8" else 4))
                 native_bytes += held
                 weight_bytes += held

@@ -25,6 +25,7 @@ from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbed
 from cpuserve.model.source import ModelSource
 from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
+from cpuserve.quant.gguf_blocks import DECODE_CHUNK_WEIGHTS
 from cpuserve.quant.linear import Linear
 from cpuserve.quant.methods import IntWeightMethod, KernelChoice, fetch_float, select_kernel
 from cpuserve.quant.rtn import quantize_weight_in_chunks
@@ -110,7 +111,7 @@ def _loaded_in_slices(layer: Linear, shards: list, ckpt: Any, kernel: KernelChoi
     if kernel is None or layer.quant is None or len(shards) != 1 or not hasattr(ckpt, "row_slices"):
         return False
     prefix = shards[0][0]
-    rows = max(16, (1 << 22) // layer.in_features // 16 * 16)
+    rows = max(16, DECODE_CHUNK_WEIGHTS // layer.in_features // 16 * 16)  # whole panels, a decode chunk
     slices = ckpt.row_slices(prefix, rows)
     return slices is not None and layer.method.load_packed(layer, prefix, ckpt, slices, kernel)
 

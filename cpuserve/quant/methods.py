@@ -223,9 +223,7 @@ class IntWeightMethod:
             return fetch(ckpt, name, shapes[name], kinds, what)
 
         scale = get("weight_scale", FLOAT_SCALE_DTYPES).float()
-        if not torch.isfinite(scale).all():  # negative scales are fine: w = q * s either way
-            name = f"{prefix}.weight_scale"
-            raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has non-finite scales")
+        self._check_values(ckpt, prefix, scale=scale)
         if quant.packed:
             shape = get("weight_shape", (torch.int32, torch.int64)).tolist()
             if shape != [n, k]:
@@ -237,19 +235,12 @@ class IntWeightMethod:
             _real(layer, "weight_words", layer.weight_words.shape, torch.int32)[rows] = words
         else:
             q = get("weight", (torch.int8,))
-            lo, hi = -(1 << (quant.bits - 1)), (1 << (quant.bits - 1)) - 1
-            if quant.bits < 8 and (q.min() < lo or q.max() > hi):
-                name = f"{prefix}.weight"
-                raise CheckpointError(
-                    f"{ckpt.file_of(name)}: tensor '{name}' holds values outside [{lo}, {hi}] for {quant.name}"
-                )
+            self._check_values(ckpt, prefix, q=q)
             _real(layer, "qweight", layer.qweight.shape, torch.int8)[rows] = q
         _real(layer, "scales", layer.scales.shape, torch.float32)[rows] = scale
         if quant.offsets:
             offset = get("weight_offset", (torch.float32,))
-            if not torch.isfinite(offset).all():
-                name = f"{prefix}.weight_offset"
-                raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has non-finite offsets")
+            self._check_values(ckpt, prefix, offset=offset)
             _real(layer, "offsets", layer.offsets.shape, torch.float32)[rows] = offset
 
     def load_packed(self, layer: Any, prefix: str, ckpt: Checkpoint, slices: Any, kernel: KernelChoice) -> bool:
@@ -265,9 +256,8 @@ class IntWeightMethod:
         mod, variant, groups = kernel.kernels, kernel.variant, self.groups(k)
         bits4 = self.quant.bits == 4
         layout = mod.int4_layout(variant) if bits4 else mod.int8_layout(variant)
-        width = k // 2 if bits4 else (k if layout == "signed" else -(-k // 4) * 4)
-        dtype = torch.int8 if layout in ("signed", "signed_panel") else torch.uint8
-        packed = torch.empty(n, width, dtype=dtype)
+        kernel_order = bits4 or bool(self.quant.group_size)  # scales in pack_scales' order, as a whole pack
+        packed: torch.Tensor | None = None  # shaped like the first slice's pack: the layout's own width
         scales = torch.empty(n, groups, dtype=torch.float32)
         offsets = torch.empty(n * groups, dtype=torch.float32) if self.quant.offsets else None
         what = f"for {self.quant.name} ({n} x {k})"
@@ -282,16 +272,15 @@ class IntWeightMethod:
                 raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} do not follow row {covered}")
             covered = r1
             q, scale = torch.from_numpy(d.values), torch.from_numpy(d.scales)
-            self._check_values(
-                f"{file}: tensor '{prefix}", q, scale, None if d.offsets is None else torch.from_numpy(d.offsets)
-            )
-            if bits4:
-                packed[r0:r1] = mod.pack_int4(q, variant)
-            else:
-                packed[r0:r1] = q if layout == "signed" else mod.pack_int8(q, variant)
-            scales[r0:r1] = mod.pack_scales(scale, variant) if self.quant.group_size else scale
+            offset = None if d.offsets is None else torch.from_numpy(d.offsets)
+            self._check_values(ckpt, prefix, q, scale, offset)
+            part = mod.pack_int4(q, variant) if bits4 else mod.pack_int8(q, variant)  # "signed": q itself
+            if packed is None:
+                packed = torch.empty(n, part.shape[1], dtype=part.dtype)
+            packed[r0:r1] = part
+            scales[r0:r1] = mod.pack_scales(scale, variant) if kernel_order else scale
             if offsets is not None:
-                offsets[r0 * groups : r1 * groups] = offsets_layout.to_chunks(torch.from_numpy(d.offsets))
+                offsets[r0 * groups : r1 * groups] = offsets_layout.to_chunks(offset)
         if covered != n:
             raise CheckpointError(f"{file}: tensor '{prefix}.weight' ends at row {covered}, expected {n} {what}")
         layer.qweight, layer.weight_words, layer.offsets = None, None, None
@@ -300,7 +289,7 @@ class IntWeightMethod:
             layer.qweight = packed
         else:
             layer.packed = packed
-        if self.quant.group_size or bits4:
+        if kernel_order:
             layer.kernel_scales, layer.scales = scales, None
         else:
             layer.scales = scales
@@ -308,15 +297,28 @@ class IntWeightMethod:
         layer.kernel = kernel
         return True
 
-    def _check_values(self, where: str, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
-        """What load_shard refuses in a checkpoint's values, scales and offsets; where: "file: tensor 'prefix"."""
+    def _check_values(
+        self,
+        ckpt: Checkpoint,
+        prefix: str,
+        q: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        offset: torch.Tensor | None = None,
+    ) -> None:
+        """What a checkpoint's int values, scales and offsets may not hold (whichever are given), named
+        by tensor and file. Negative scales are fine: w = q * s either way."""
+
+        def refuse(part: str, what: str) -> None:
+            name = f"{prefix}.{part}"
+            raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' {what}")
+
         lo, hi = -(1 << (self.quant.bits - 1)), (1 << (self.quant.bits - 1)) - 1
-        if self.quant.bits < 8 and (q.min() < lo or q.max() > hi):
-            raise CheckpointError(f"{where}.weight' holds values outside [{lo}, {hi}] for {self.quant.name}")
-        if not torch.isfinite(scale).all():
-            raise CheckpointError(f"{where}.weight_scale' has non-finite scales")
+        if q is not None and self.quant.bits < 8 and (q.min() < lo or q.max() > hi):
+            refuse("weight", f"holds values outside [{lo}, {hi}] for {self.quant.name}")
+        if scale is not None and not torch.isfinite(scale).all():
+            refuse("weight_scale", "has non-finite scales")
         if offset is not None and not torch.isfinite(offset).all():
-            raise CheckpointError(f"{where}.weight_offset' has non-finite offsets")
+            refuse("weight_offset", "has non-finite offsets")
 
     def set_weights(self, layer: Any, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         """Int8 values and scales made in memory (the output head quantized at load), in place of

@@ -192,8 +192,10 @@ void register_decoder_layers(pybind11::module& mod) {
             q = p.norm(q, *p.q_norm, variant);
             k = p.norm(k, *p.k_norm, variant);
           }
-          rope_(q, p.local_rope ? *cos_local : cos, p.local_rope ? *sin_local : sin, variant);
-          rope_(k, p.local_rope ? *cos_local : cos, p.local_rope ? *sin_local : sin, variant);
+          const torch::Tensor& c = p.local_rope ? *cos_local : cos;
+          const torch::Tensor& s = p.local_rope ? *sin_local : sin;
+          rope_(q, c, s, variant);
+          rope_(k, c, s, variant);
           torch::Tensor kc = k_caches[i];
           torch::Tensor vc = v_caches[i];
           c10::optional<torch::Tensor> ks, vs;

@@ -47,10 +47,12 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// exp(x) within ~2 ulp for x in [-87, 88.37] (clamped there: exp(-87) is tiny, and from 88.38 on
-// n would be 128, outside float's exponents; a NaN becomes -87: callers keep x's NaN), branch-free so that a loop of it vectorizes (std::exp does not, and one call per element
-// was most of a GeGLU prefill): 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 with ln 2 in two parts
-// (Cody-Waite), e^r by Cephes' expf polynomial on [-ln 2 / 2, ln 2 / 2], 2^n made in the exponent bits.
+// exp(x) for x in [-87, 88.37] (clamped there: exp(-87) is tiny, and from 88.38 on n would be 128,
+// outside float's exponents; a NaN becomes -87: callers keep x's NaN). Branch-free, so the compiler
+// may vectorize its loops; libm's tanh, one call per element, made Gemma's pp512 655 tok/s against
+// torch's 965, this 900-970 (docs/benchmarks.md, Zen 4). 2^n * e^r, n = round(x / ln 2), r = x - n ln 2
+// with ln 2 in two parts (Cody-Waite), e^r by Cephes' expf polynomial on [-ln 2 / 2, ln 2 / 2], 2^n made in the exponent bits.
+// Its error is bounded only through GeGLU's test budget (tests/test_layer_ops.py), not on its own.
 inline float exp_poly(float x) {
   x = std::min(88.3762626647949f, std::max(-87.f, x));  // argument order: a NaN x gives -87
   const float shift = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer (the default rounding)
@@ -198,65 +200,49 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const Variant&
 }
 
 // gate, up [R, I] (rows of any stride, I contiguous; typically the two halves of one projection's
-// output) -> silu(gate) * up [R, I].
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant) {
-  cpk::count(variant, cpk::kSiluMul);
-  check_same_dtype(gate, up, "silu_mul");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
-              "silu_mul: gate and up must be [R, I] with I contiguous");
+// output) -> T(act(gate)) * up [R, I], act in fp32 on the widened gate, rounded where the reference
+// rounds (act's tensor, then the product). The SiLU and GeGLU ops below.
+template <typename Act>
+torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant, cpk::Op op, const char* name,
+                      const Act& act) {
+  cpk::count(variant, op);
+  check_same_dtype(gate, up, name);
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1, name,
+              ": gate and up must be [R, I] with I contiguous");
   const int64_t rows = gate.size(0), inter = gate.size(1), gs = gate.stride(0), us = up.stride(0);
   auto out = torch::empty({rows, inter}, gate.options());
-  CPUSERVE_DISPATCH(gate.scalar_type(), "silu_mul", [&] {
+  CPUSERVE_DISPATCH(gate.scalar_type(), "act_mul", [&] {
     const scalar_t* gp = gate.data_ptr<scalar_t>();
     const scalar_t* upp = up.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* op_ = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const scalar_t* g = gp + row * gs;
         const scalar_t* u = upp + row * us;
-        scalar_t* o = op + row * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float x = load(g, i);
-          o[i] = static_cast<scalar_t>(round_to<scalar_t>(x / (1.f + std::exp(-x))) * load(u, i));
-        }
+        scalar_t* o = op_ + row * inter;
+        for (int64_t i = 0; i < inter; ++i)
+          o[i] = static_cast<scalar_t>(round_to<scalar_t>(act(load(g, i))) * load(u, i));
       }
     });
   });
   return out;
 }
 
-// gate, up as silu_mul's -> gelu(gate) * up with gelu's tanh approximation (0.5 x (1 + tanh(u)),
-// u = sqrt(2 / pi) (x + 0.044715 x^3), torch's formula; tanh from exp_poly), in fp32, rounded where
-// the reference rounds.
+// silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant) {
+  return act_mul(gate, up, variant, cpk::kSiluMul, "silu_mul", [](float x) { return x / (1.f + std::exp(-x)); });
+}
+
+// gelu(gate) * up with gelu's tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
+// torch's formula, tanh from exp_poly.
 torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant) {
-  cpk::count(variant, cpk::kGeluMul);
-  check_same_dtype(gate, up, "gelu_tanh_mul");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
-              "gelu_tanh_mul: gate and up must be [R, I] with I contiguous");
-  const int64_t rows = gate.size(0), inter = gate.size(1), gs = gate.stride(0), us = up.stride(0);
-  auto out = torch::empty({rows, inter}, gate.options());
   const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-  CPUSERVE_DISPATCH(gate.scalar_type(), "gelu_tanh_mul", [&] {
-    const scalar_t* gp = gate.data_ptr<scalar_t>();
-    const scalar_t* upp = up.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const scalar_t* g = gp + row * gs;
-        const scalar_t* u = upp + row * us;
-        scalar_t* o = op + row * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float x = load(g, i);
-          // tanh(u) = 2 / (1 + e^(-2u)) - 1, rounded to fp32 as the reference's tanh is: below u of
-          // about -9 it is -1 and gelu exactly -0 there too, not the tiny value 1 + tanh(u) really is
-          const float tanh = 2.f / (1.f + exp_poly(-2.f * (beta * (x + kappa * (x * x * x))))) - 1.f;
-          const float gelu = 0.5f * x * (1.f + tanh);
-          o[i] = static_cast<scalar_t>(round_to<scalar_t>(gelu) * load(u, i));
-        }
-      }
-    });
+  return act_mul(gate, up, variant, cpk::kGeluMul, "gelu_tanh_mul", [beta, kappa](float x) {
+    // tanh(u) = 2 / (1 + e^(-2u)) - 1, rounded to fp32 as the reference's tanh is: below u of about -9
+    // it is -1 and gelu exactly -0 there too, not the tiny value 1 + tanh(u) really is
+    const float tanh = 2.f / (1.f + exp_poly(-2.f * (beta * (x + kappa * (x * x * x))))) - 1.f;
+    return 0.5f * x * (1.f + tanh);
   });
-  return out;
 }
 
 // One query token per sequence against its cached keys/values, softmax in fp32.
