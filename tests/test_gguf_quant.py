@@ -4,6 +4,8 @@ read from a real file (the bundled SmolLM2's Q4_1) without going through bf16.""
 
 from __future__ import annotations
 
+import operator
+
 import gguf
 import numpy as np
 import pytest
@@ -94,6 +96,17 @@ class _Tensors:
         return "test.gguf"
 
 
+def _checkpoint_parts(method: IntWeightMethod, d, n: int, k: int) -> dict[str, torch.Tensor]:
+    """The tensors method asks a checkpoint for (GGUFCheckpoint's: codes as the file codes them)."""
+    arrays = {"weight": d.values, "weight_scale": d.scales, "weight_offset": d.offsets}
+    tensors = {}
+    for name in method.checkpoint_tensors("l", n, k):
+        part = name.removeprefix("l.")
+        array = arrays[part] if part in arrays else d.codes.part(part)
+        tensors[part] = torch.from_numpy(array.copy())
+    return tensors
+
+
 def _linear(kind: str, n: int, k: int, seed: int, kernel: KernelChoice | None):
     from cpuserve.model.gguf_source import linear_scheme
 
@@ -101,10 +114,7 @@ def _linear(kind: str, n: int, k: int, seed: int, kernel: KernelChoice | None):
     method = IntWeightMethod(linear_scheme(kind), torch.float32)
     with torch.device("meta"):
         layer = Linear(k, [n], False, method)
-    tensors = {"l.weight": torch.from_numpy(d.values.copy()), "l.weight_scale": torch.from_numpy(d.scales.copy())}
-    if d.offsets is not None:
-        tensors["l.weight_offset"] = torch.from_numpy(d.offsets.copy())
-    method.load_shard(layer, 0, "l", _Tensors(tensors))
+    method.load_shard(layer, 0, "l", _Tensors({f"l.{p}": t for p, t in _checkpoint_parts(method, d, n, k).items()}))
     method.process_weights_after_loading(layer, kernel)
     return layer, d
 
@@ -143,6 +153,35 @@ def test_every_variant_runs_every_type(kind, n, k):
                 assert torch.equal(got, twin_layer(x)), (kind, name, m)
 
 
+@pytest.mark.parametrize("kind", TYPES)
+def test_coded_scales_give_what_fp32_scales_give_bit_for_bit(kind):
+    """Scales and offsets held as the file codes them (1.25 bytes a group instead of 4), expanded by
+    the driver a few panels at a time on each thread: every variant's output is bit-identical to the
+    same weight with the expanded fp32 scales and offsets, for decode (1 row) and prefill blocks.
+    K = 2048 and N = 300 give each thread several chunks of panels and a narrow last panel."""
+    from cpuserve.quant import offsets_layout
+    from cpuserve.quant.methods import native_int_linear
+
+    kernels = native()
+    n, k = 300, 2048
+    x_all = torch.randn(200, k, generator=torch.Generator().manual_seed(2))
+    for name in runnable_variants():
+        kernel = KernelChoice(kernels, kernels.variant(name))
+        layer, _ = _linear(kind, n, k, seed=5, kernel=kernel)
+        coding = layer.method.coding
+        assert layer.kernel_scales.dtype == coding.code_dtype
+        assert layer.kernel_scales.numel() == n * k // SCHEMES[kind].group
+        weight, _ = layer.method.kernel_operands(layer)
+        scales = kernels.pack_scales(layer.weight_scales(), kernel.variant)
+        offsets = layer.weight_offsets()
+        offsets = None if offsets is None else offsets_layout.to_chunks(offsets)
+        assert scales.dtype == torch.float32 and (offsets is None or offsets.dtype == torch.float32)
+        for m in (1, 5, 200):
+            x = x_all[:m]
+            want = native_int_linear(kernel, layer.method.quant.bits, x, weight, scales, None, offsets, True, n)
+            assert torch.equal(layer(x), want), (kind, name, m)
+
+
 @pytest.fixture(scope="module")
 def bundled_gguf_dir(tmp_path_factory):
     from cpuserve.model.resolve import resolve_model
@@ -165,9 +204,12 @@ def test_the_bundled_gguf_is_read_as_it_is(bundled_gguf_dir):
     want = unpermute_rope(gguf.quants.dequantize(t.data, t.tensor_type), src.spec.num_heads)
     with src.checkpoint as ckpt:
         q = ckpt.get("model.layers.3.self_attn.q_proj.weight").float()
-        s = ckpt.get("model.layers.3.self_attn.q_proj.weight_scale")
-        o = ckpt.get("model.layers.3.self_attn.q_proj.weight_offset")
-    got = (q.view(q.shape[0], -1, 32) * s[..., None] + o[..., None]).view(q.shape)
+        # Q4_1: scale d and minimum m as the file's fp16, w = d (q - 8) + (8 d + m)
+        d = ckpt.get("model.layers.3.self_attn.q_proj.weight_scale_code")
+        m = ckpt.get("model.layers.3.self_attn.q_proj.weight_offset_code")
+    assert d.dtype == m.dtype == torch.float16
+    d, m = d.float(), m.float()
+    got = (q.view(q.shape[0], -1, 32) * d[..., None] + (8 * d + m)[..., None]).view(q.shape)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
@@ -248,17 +290,18 @@ def test_a_head_packed_slice_by_slice_is_the_head_packed_whole(kind):
 
         def part(r0, r1, d=d):
             return r0, DecodedWeight(
-                d.values[r0:r1], d.scales[r0:r1], None if d.offsets is None else d.offsets[r0:r1], d.scheme
+                d.values[r0:r1],
+                d.scales[r0:r1],
+                None if d.offsets is None else d.offsets[r0:r1],
+                d.scheme,
+                d.codes.rows(operator.itemgetter(slice(r0, r1))),
             )
 
-        ckpt = _Tensors(
-            {"lm_head.weight": torch.zeros(n, k), "lm_head.weight_scale": torch.zeros(n, k // d.scheme.group)}
-        )
-        if d.offsets is not None:
-            ckpt.tensors["lm_head.weight_offset"] = ckpt.tensors["lm_head.weight_scale"]
+        ckpt = _Tensors({f"lm_head.{p}": t for p, t in _checkpoint_parts(method, d, n, k).items()})
         slices = (part(r, min(n, r + 32)) for r in range(0, n, 32))
         assert method.load_packed(sliced, "lm_head", ckpt, slices, kernel)
-        for attr in ("packed", "qweight", "kernel_scales", "scales", "kernel_offsets", "offsets"):
+        attrs = ("packed", "qweight", "kernel_scales", "scales", "kernel_offsets", "offsets")
+        for attr in (*attrs, "kernel_scale_super", "kernel_offset_super"):
             a, b = getattr(whole, attr), getattr(sliced, attr)
             assert (a is None and b is None) or torch.equal(a, b), (kind, name, attr)
         assert sliced.packed_layout == whole.packed_layout and sliced.kernel is kernel

@@ -22,6 +22,7 @@ from cpuserve.quant.config import QuantConfig
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 INT_BYTES = {"I8": 1, "U8": 1, "I32": 4, "I64": 8}
+CODE_BYTES = {"I8": 1, "U8": 1, "F16": 2, "F32": 4}  # quant/scale_codes.py
 
 
 def model_facts(
@@ -43,6 +44,11 @@ def model_facts(
         per_value = 0.5 if head is not None and head.bits == 4 else 1  # an int4 head's values as nibbles
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
+            if n.endswith(("_code", "_super")):  # a GGUF's coded scales and offsets, held as coded
+                held = count * CODE_BYTES[ckpt.stored_dtype(n)]
+                native_bytes += held
+                weight_bytes += held
+                continue
             if n in aliases:  # in memory as the kernel holds it: what the plan reserves for the table
                 held = int(count * (per_value if ckpt.stored_dtype(n) == "I8" else 4))
                 native_bytes += held

@@ -6,8 +6,9 @@ tokenizer files, made by offline/gguf_convert.py from the file's metadata) and `
 points at the file. `ModelSource.open` sees that pointer and reads the weights from the GGUF:
 
 - `GGUFCheckpoint` presents the file's tensors under HF names. A linear's quantized weight appears
-  as the checkpoint tensors its quant method asks for (`weight` int8 values, `weight_scale` and, for
-  formats with a minimum, `weight_offset`), decoded exactly from the blocks (quant/gguf_blocks.py);
+  as the checkpoint tensors its quant method asks for (`weight` int8 values, and its scales and, for
+  formats with a minimum, offsets as the file codes them: `weight_scale_code`, `weight_scale_super`,
+  ..., quant/scale_codes.py), decoded exactly from the blocks (quant/gguf_blocks.py);
   each layer is read with positioned reads as the loader reaches it, so the file is never mapped
   whole and the resident set is the packed weights.
 - `gguf_quant_config` gives every linear the scheme its block type re-expresses exactly; a type
@@ -132,7 +133,9 @@ def linear_scheme(kind: str) -> WeightQuant | None:
     s = SCHEMES.get(kind)
     if s is None:
         return FALLBACK
-    return WeightQuant(bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets, act_groups=True)
+    return WeightQuant(
+        bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets, act_groups=True, coding=s.coding
+    )
 
 
 def gguf_quant_config(table: dict[str, GGUFTensor], source: str) -> QuantConfig | None:
@@ -161,7 +164,10 @@ class GGUFCheckpoint:
             quant = linear_scheme(t.kind) if _is_linear(name) else None
             if quant is not None:
                 prefix = name.removesuffix(".weight")
-                parts = ["weight", "weight_scale"] + (["weight_offset"] if quant.offsets else [])
+                if quant.coding is not None:  # the scales and offsets as the file codes them
+                    parts = ["weight", *quant.coding.parts()]
+                else:
+                    parts = ["weight", "weight_scale"] + (["weight_offset"] if quant.offsets else [])
                 for part in parts:
                     self._virtual[f"{prefix}.{part}"] = (name, part)
             else:
@@ -188,9 +194,10 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         base, part = self._virtual[name]
         t = self.table[base]
-        if part in ("weight_scale", "weight_offset"):
-            group = linear_scheme(t.kind).group_size
-            return (t.shape[0], t.shape[1] // group)
+        if part.startswith(("weight_scale", "weight_offset")):
+            quant = linear_scheme(t.kind)
+            groups = t.shape[1] // quant.group_size
+            return quant.coding.part_shape(part, t.shape[0], groups) if quant.coding else (t.shape[0], groups)
         return t.shape
 
     def stored_dtype(self, name: str) -> str:
@@ -199,7 +206,11 @@ class GGUFCheckpoint:
             return "I8"
         if part == "float":
             return {"F16": "F16", "BF16": "BF16"}.get(self.table[base].kind, "F32")
-        return "F32"
+        coding = linear_scheme(self.table[base].kind).coding
+        if coding is None or part.endswith("super"):
+            return "F32"
+        code = coding.offset_code if part.startswith("weight_offset") else coding.code
+        return {"uint8": "U8", "int8": "I8", "float16": "F16"}[code]
 
     def _read(self, t: GGUFTensor) -> np.ndarray:
         if self._fd is None:
@@ -243,6 +254,7 @@ class GGUFCheckpoint:
                 self._rows_of(base, d.scales),
                 None if d.offsets is None else self._rows_of(base, d.offsets),
                 d.scheme,
+                None if d.codes is None else d.codes.rows(lambda a: self._rows_of(base, a)),
             )
         else:
             d = _rounded_int8(self._rows_of(base, self._float(t)), t, what)
@@ -292,7 +304,10 @@ class GGUFCheckpoint:
             array = self._rows_of(base, self._float(t))
             return torch.from_numpy(np.array(array, dtype=np.float32))
         d = self._decode(base)
-        array = {"weight": d.values, "weight_scale": d.scales, "weight_offset": d.offsets}[part]
+        if part in ("weight", "weight_scale", "weight_offset"):
+            array = {"weight": d.values, "weight_scale": d.scales, "weight_offset": d.offsets}[part]
+        else:
+            array = d.codes.part(part)
         self._unread[base] -= 1
         if self._unread[base] <= 0:  # every part handed out: the arrays now belong to the caller alone
             self._decoded = None

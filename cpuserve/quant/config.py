@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpuserve.errors import ConfigError
+from cpuserve.quant.scale_codes import ScaleCoding
 
 UNPACKED_FORMATS = ("int-quantized", "naive-quantized")
 PACKED_FORMAT = "pack-quantized"
@@ -26,13 +27,15 @@ class WeightQuant:
     a minimum, quant/gguf_blocks.py; compressed-tensors checkpoints never do). act_groups: the
     activations are quantized per group of the weight's instead of per token (GGUF's numerics:
     llama.cpp's int8 activation blocks; a compressed-tensors checkpoint says which: input
-    activations strategy "token", or "group" with the weights' group size)."""
+    activations strategy "token", or "group" with the weights' group size). coding: how a GGUF
+    type codes its scales and offsets, kept so (quant/scale_codes.py); None: fp32."""
 
     bits: int
     group_size: int | None
     packed: bool
     offsets: bool = False
     act_groups: bool = False
+    coding: ScaleCoding | None = None
 
     @property
     def name(self) -> str:

@@ -26,8 +26,14 @@ from cpuserve.quant import offsets_layout
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.packing import panel_scale_index, unpack_int, unpack_int8, unpack_nibbles, unpack_rows
 from cpuserve.quant.reference import reference_forward
+from cpuserve.quant.scale_codes import ScaleCoding, expand_offsets, expand_scales
 
 FLOAT_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CODE_PARTS = ("scale_code", "scale_super", "offset_code", "offset_super")  # a coded layer's buffers
+
+
+def _tensor(a: Any) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(a)
 
 
 @dataclass(frozen=True)
@@ -169,12 +175,15 @@ class IntWeightMethod:
     minimum, read through model/gguf_source.py).
 
     From the checkpoint: `weight` int8 [N, K] (int-quantized) or `weight_packed` int32 words plus
-    `weight_shape` (pack-quantized), `weight_scale` [N, G] and, with offsets, `weight_offset` [N, G].
+    `weight_shape` (pack-quantized), `weight_scale` [N, G] and, with offsets, `weight_offset` [N, G];
+    a GGUF scheme (quant.coding) has its scales and offsets as the file codes them instead
+    (`weight_scale_code`, `weight_scale_super`, ...: quant/scale_codes.py), held as such.
     After processing, on a kernel: `packed` in the kernel's layout (`packed_layout`) and, for int4
     and grouped int8, `kernel_scales` in its order, and `kernel_offsets` in the driver's column chunks
-    (quant/offsets_layout.py; `offsets` then dropped); W8A8 on a kernel whose layout is the int8 rows
-    themselves keeps `qweight`.
-    Without a kernel: `qweight` int8 [N, K] for the reference forward."""
+    (quant/offsets_layout.py; `offsets` then dropped); coded, the codes in those orders and their
+    factors in the same orders (`kernel_scale_super`, `kernel_offset_super`). W8A8 on a kernel whose
+    layout is the int8 rows themselves keeps `qweight`.
+    Without a kernel: `qweight` int8 [N, K] and fp32 `scales` (`offsets`) for the reference forward."""
 
     quant: WeightQuant
     dtype: torch.dtype
@@ -186,20 +195,40 @@ class IntWeightMethod:
     def groups(self, k: int) -> int:
         return k // self.quant.group_size if self.quant.group_size else 1
 
+    @property
+    def coding(self) -> ScaleCoding | None:
+        return self.quant.coding
+
     def create_weights(self, layer: Any) -> None:
         n, k = layer.out_features, layer.in_features
         words = -(-k * self.quant.bits // 32)
         layer.register_buffer("qweight", None if self.quant.packed else torch.empty(n, k, dtype=torch.int8))
         layer.register_buffer("weight_words", torch.empty(n, words, dtype=torch.int32) if self.quant.packed else None)
-        layer.register_buffer("scales", torch.empty(n, self.groups(k), dtype=torch.float32))
-        offsets = torch.empty(n, self.groups(k), dtype=torch.float32) if self.quant.offsets else None
+        coding, groups = self.coding, self.groups(k)
+        layer.register_buffer("scales", torch.empty(n, groups, dtype=torch.float32) if coding is None else None)
+        offsets = torch.empty(n, groups, dtype=torch.float32) if self.quant.offsets and coding is None else None
         layer.register_buffer("offsets", offsets)
+        for part in _CODE_PARTS:  # the codes as the checkpoint holds them (quant/scale_codes.py)
+            name = f"weight_{part}"
+            held = coding is not None and name in coding.parts()
+            layer.register_buffer(
+                part, torch.empty(coding.part_shape(name, n, groups), dtype=self._part_dtype(name)) if held else None
+            )
         layer.packed, layer.packed_layout, layer.kernel_scales, layer.kernel = None, "none", None, None
-        layer.kernel_offsets = None
+        layer.kernel_offsets, layer.kernel_scale_super, layer.kernel_offset_super = None, None, None
+
+    def _part_dtype(self, name: str) -> torch.dtype:
+        """The dtype of a coded checkpoint part."""
+        if name.endswith("super"):
+            return torch.float32
+        return self.coding.offset_dtype if name.startswith("weight_offset") else self.coding.code_dtype
 
     def checkpoint_tensors(self, prefix: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
-        shapes = {f"{prefix}.weight_scale": (n, self.groups(k))}
-        if self.quant.offsets:
+        if self.coding is not None:
+            shapes = {f"{prefix}.{p}": self.coding.part_shape(p, n, self.groups(k)) for p in self.coding.parts()}
+        else:
+            shapes = {f"{prefix}.weight_scale": (n, self.groups(k))}
+        if self.quant.offsets and self.coding is None:
             shapes[f"{prefix}.weight_offset"] = (n, self.groups(k))
         if self.quant.packed:
             shapes[f"{prefix}.weight_packed"] = (n, -(-k * self.quant.bits // 32))
@@ -222,8 +251,16 @@ class IntWeightMethod:
             name = f"{prefix}.{suffix}"
             return fetch(ckpt, name, shapes[name], kinds, what)
 
-        scale = get("weight_scale", FLOAT_SCALE_DTYPES).float()
-        self._check_values(ckpt, prefix, scale=scale)
+        if self.coding is not None:
+            for name in self.coding.parts():
+                part = get(name, (self._part_dtype(name),))
+                self._check_values(ckpt, prefix, coded={name: part})
+                attr = name.removeprefix("weight_")
+                _real(layer, attr, getattr(layer, attr).shape, part.dtype)[rows] = part
+        else:
+            scale = get("weight_scale", FLOAT_SCALE_DTYPES).float()
+            self._check_values(ckpt, prefix, scale=scale)
+            _real(layer, "scales", layer.scales.shape, torch.float32)[rows] = scale
         if quant.packed:
             shape = get("weight_shape", (torch.int32, torch.int64)).tolist()
             if shape != [n, k]:
@@ -237,8 +274,7 @@ class IntWeightMethod:
             q = get("weight", (torch.int8,))
             self._check_values(ckpt, prefix, q=q)
             _real(layer, "qweight", layer.qweight.shape, torch.int8)[rows] = q
-        _real(layer, "scales", layer.scales.shape, torch.float32)[rows] = scale
-        if quant.offsets:
+        if quant.offsets and self.coding is None:
             offset = get("weight_offset", (torch.float32,))
             self._check_values(ckpt, prefix, offset=offset)
             _real(layer, "offsets", layer.offsets.shape, torch.float32)[rows] = offset
@@ -258,8 +294,13 @@ class IntWeightMethod:
         layout = mod.int4_layout(variant) if bits4 else mod.int8_layout(variant)
         kernel_order = bits4 or bool(self.quant.group_size)  # scales in pack_scales' order, as a whole pack
         packed: torch.Tensor | None = None  # shaped like the first slice's pack: the layout's own width
-        scales = torch.empty(n, groups, dtype=torch.float32)
-        offsets = torch.empty(n * groups, dtype=torch.float32) if self.quant.offsets else None
+        coding = self.coding
+        supers = groups // coding.per if coding is not None and coding.per else 0
+        code, off_code = (coding.code_dtype, coding.offset_dtype) if coding is not None else (torch.float32,) * 2
+        scales = torch.empty(n, groups, dtype=code)
+        scale_super = torch.empty(n, supers, dtype=torch.float32) if supers else None
+        offsets = torch.empty(n * groups, dtype=off_code) if self.quant.offsets else None
+        offset_super = torch.empty(n * supers, dtype=torch.float32) if supers and offsets is not None else None
         what = f"for {self.quant.name} ({n} x {k})"
         for name, shape in self.checkpoint_tensors(prefix, n, k).items():  # before any data is read
             _checked_shape(ckpt, name, shape, what)
@@ -274,10 +315,19 @@ class IntWeightMethod:
             q, scale = torch.from_numpy(d.values), torch.from_numpy(d.scales)
             offset = None if d.offsets is None else torch.from_numpy(d.offsets)
             self._check_values(ckpt, prefix, q, scale, offset)
+            if coding is not None and d.codes is None:
+                raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} have no codes {what}")
             part = mod.pack_int4(q, variant) if bits4 else mod.pack_int8(q, variant)  # "signed": q itself
             if packed is None:
                 packed = torch.empty(n, part.shape[1], dtype=part.dtype)
             packed[r0:r1] = part
+            if coding is not None:  # the codes and factors, each in the order of what it codes
+                scale, offset = torch.from_numpy(d.codes.scale_code), _tensor(d.codes.offset_code)
+                if scale_super is not None:
+                    scale_super[r0:r1] = mod.pack_scales(torch.from_numpy(d.codes.scale_super), variant)
+                if offset_super is not None:
+                    chunks = offsets_layout.to_chunks(torch.from_numpy(d.codes.offset_super))
+                    offset_super[r0 * supers : r1 * supers] = chunks
             scales[r0:r1] = mod.pack_scales(scale, variant) if kernel_order else scale
             if offsets is not None:
                 offsets[r0 * groups : r1 * groups] = offsets_layout.to_chunks(offset)
@@ -289,11 +339,11 @@ class IntWeightMethod:
             layer.qweight = packed
         else:
             layer.packed = packed
-        if kernel_order:
+        if kernel_order or coding is not None:
             layer.kernel_scales, layer.scales = scales, None
         else:
             layer.scales = scales
-        layer.kernel_offsets = offsets
+        layer.kernel_offsets, layer.kernel_scale_super, layer.kernel_offset_super = offsets, scale_super, offset_super
         layer.kernel = kernel
         return True
 
@@ -304,9 +354,10 @@ class IntWeightMethod:
         q: torch.Tensor | None = None,
         scale: torch.Tensor | None = None,
         offset: torch.Tensor | None = None,
+        coded: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """What a checkpoint's int values, scales and offsets may not hold (whichever are given), named
-        by tensor and file. Negative scales are fine: w = q * s either way."""
+        """What a checkpoint's int values, scales and offsets (or coded parts, by name) may not hold
+        (whichever are given), named by tensor and file. Negative scales are fine: w = q * s either way."""
 
         def refuse(part: str, what: str) -> None:
             name = f"{prefix}.{part}"
@@ -319,6 +370,9 @@ class IntWeightMethod:
             refuse("weight_scale", "has non-finite scales")
         if offset is not None and not torch.isfinite(offset).all():
             refuse("weight_offset", "has non-finite offsets")
+        for name, part in (coded or {}).items():
+            if part.is_floating_point() and not torch.isfinite(part).all():
+                refuse(name.removeprefix(f"{prefix}."), "has non-finite values")
 
     def set_weights(self, layer: Any, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         """Int8 values and scales made in memory (the output head quantized at load), in place of
@@ -341,8 +395,20 @@ class IntWeightMethod:
             # int4 words go straight to the kernel's nibbles below; everything else needs the values
             layer.qweight, layer.weight_words = unpack_int(layer.weight_words, self.quant.bits, k), None
         if kernel is None or not self.fits(k):
+            if self.coding is not None:  # the reference forward reads fp32
+                layer.scales, layer.offsets = self.weight_scales(layer), self.weight_offsets(layer)
+                for part in _CODE_PARTS:
+                    setattr(layer, part, None)
             return
         mod, variant = kernel.kernels, kernel.variant
+        if self.coding is not None:  # the codes, packed as the fp32 values they stand for would be
+            layer.scales, layer.offsets = layer.scale_code, layer.offset_code
+            if layer.scale_super is not None:
+                layer.kernel_scale_super = mod.pack_scales(layer.scale_super, variant)
+            if layer.offset_super is not None:
+                layer.kernel_offset_super = offsets_layout.to_chunks(layer.offset_super)
+            for part in _CODE_PARTS:
+                setattr(layer, part, None)
         if bits4:
             if layer.weight_words is not None:  # straight to the kernel's layout: no int8 copy of the weight
                 layer.packed = mod.words_to_nibbles(layer.weight_words, k, variant)
@@ -372,27 +438,52 @@ class IntWeightMethod:
         return unpack_nibbles(layer.packed, layer.in_features, layer.packed_layout)
 
     def weight_scales(self, layer: Any) -> torch.Tensor:
-        """The scales [N, G] in the checkpoint's order. Once packed, only the kernel's copy is kept (two
-        copies cost a 2B GGUF 333 MB) and this reads them back through its order: each position's
-        source index packed the same way (in two halves of 12 bits, each exact in float32; 0: padding)."""
+        """The fp32 scales [N, G] in the checkpoint's order, whatever holds them (codes expanded)."""
         if layer.scales is not None:
             return layer.scales
-        n, groups = layer.out_features, self.groups(layer.in_features)
+        groups = self.groups(layer.in_features)
+        if layer.kernel_scales is None:  # coded, not packed yet
+            return expand_scales(layer.scale_code, layer.scale_super, self.coding.per)
+        codes = self._in_checkpoint_order(layer, layer.kernel_scales, groups)
+        if self.coding is None:
+            return codes
+        supers = layer.kernel_scale_super
+        supers = None if supers is None else self._in_checkpoint_order(layer, supers, groups // self.coding.per)
+        return expand_scales(codes, supers, self.coding.per)
+
+    def _in_checkpoint_order(self, layer: Any, packed: torch.Tensor, groups: int) -> torch.Tensor:
+        """Values [N, groups] packed by pack_scales read back in the checkpoint's order. Once packed,
+        only the kernel's copy is kept (two copies cost a 2B GGUF 333 MB): each position's source
+        index packed the same way (in two halves of 12 bits, each exact in float32; 0: padding)."""
+        n = layer.out_features
         mod, variant = layer.kernel.kernels, layer.kernel.variant
         index = torch.arange(1, n * groups + 1, dtype=torch.int64).view(n, groups)
         high = mod.pack_scales((index >> 12).float(), variant).long()
         low = mod.pack_scales((index & 4095).float(), variant).long()
         source = (high << 12) | low
         kept = source > 0
-        scales = torch.empty(n * groups, dtype=torch.float32)
-        scales[source[kept] - 1] = layer.kernel_scales.view(-1)[kept.view(-1)]
-        return scales.view(n, groups)
+        values = torch.empty(n * groups, dtype=packed.dtype)
+        values[source[kept] - 1] = packed.reshape(-1)[kept.view(-1)]
+        return values.view(n, groups)
 
     def weight_offsets(self, layer: Any) -> torch.Tensor | None:
-        """The offsets [N, G] in the checkpoint's order (None for a scheme without), whatever holds them."""
-        if layer.offsets is not None or layer.kernel_offsets is None:
+        """The fp32 offsets [N, G] in the checkpoint's order (None for a scheme without), whatever holds
+        them (codes expanded)."""
+        n, groups = layer.out_features, self.groups(layer.in_features)
+        coding = self.coding
+        if layer.offsets is not None:
             return layer.offsets
-        return offsets_layout.from_chunks(layer.kernel_offsets, layer.out_features, self.groups(layer.in_features))
+        if coding is None or coding.offset_code is None:
+            if layer.kernel_offsets is None:
+                return None
+            return offsets_layout.from_chunks(layer.kernel_offsets, n, groups)
+        if layer.kernel_offsets is None:  # coded, not packed yet
+            codes, supers = layer.offset_code, layer.offset_super
+        else:
+            codes = offsets_layout.from_chunks(layer.kernel_offsets, n, groups)
+            supers = layer.kernel_offset_super
+            supers = None if supers is None else offsets_layout.from_chunks(supers, n, groups // coding.per)
+        return expand_offsets(self.weight_scales(layer), codes, supers, coding.per, coding.mid)
 
     def weight_rows(self, layer: Any, rows: torch.Tensor) -> torch.Tensor:
         """Rows (output channels) of the dequantized weight, fp32 [len(rows), K], read from whatever
@@ -403,18 +494,36 @@ class IntWeightMethod:
             values = self.int_weight(layer)[rows]
         else:
             values = unpack_rows(layer.packed, layer.packed_layout, self.quant.bits, n, k, rows)
-        if layer.scales is not None:
-            scales = layer.scales[rows]
-        elif layer.packed_layout.endswith("panel"):
-            scales = layer.kernel_scales.view(-1)[panel_scale_index(n, groups, rows)]
+        coding = self.coding
+        if layer.scales is not None or layer.kernel_scales is None:
+            scales = self.weight_scales(layer)[rows]
         else:
-            scales = layer.kernel_scales.view(n, groups)[rows]
+            scales = self._packed_rows(layer, layer.kernel_scales, groups, rows)
+            if coding is not None:
+                supers = layer.kernel_scale_super
+                if supers is not None:
+                    supers = self._packed_rows(layer, supers, groups // coding.per, rows)
+                scales = expand_scales(scales, supers, coding.per)
         w = values.float().view(len(rows), groups, k // groups) * scales.unsqueeze(-1)
-        if layer.offsets is not None:
-            w = w + layer.offsets[rows].unsqueeze(-1)
-        elif layer.kernel_offsets is not None:
-            w = w + layer.kernel_offsets[offsets_layout.chunk_index(n, groups, rows)].unsqueeze(-1)
+        if layer.offsets is not None or layer.kernel_offsets is None:
+            offsets = self.weight_offsets(layer)
+            offsets = None if offsets is None else offsets[rows]
+        else:
+            offsets = layer.kernel_offsets[offsets_layout.chunk_index(n, groups, rows)]
+            if coding is not None and coding.offset_code is not None:
+                supers = layer.kernel_offset_super
+                if supers is not None:
+                    supers = supers[offsets_layout.chunk_index(n, groups // coding.per, rows)]
+                offsets = expand_offsets(scales, offsets, supers, coding.per, coding.mid)
+        if offsets is not None:
+            w = w + offsets.unsqueeze(-1)
         return w.view(len(rows), k)
+
+    def _packed_rows(self, layer: Any, packed: torch.Tensor, groups: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [len(rows), groups] of values packed by pack_scales (scales, their factors)."""
+        if layer.packed_layout.endswith("panel"):
+            return packed.reshape(-1)[panel_scale_index(layer.out_features, groups, rows)]
+        return packed.view(layer.out_features, groups)[rows]
 
     def dequantized_weight(self, layer: Any) -> torch.Tensor:
         n, k = layer.out_features, layer.in_features
@@ -451,7 +560,18 @@ class IntWeightMethod:
             layer.kernel_offsets,
             self.quant.act_groups,
             layer.out_features,
+            **self.coded_operands(layer),
         )
+
+    def coded_operands(self, layer: Any) -> dict[str, Any]:
+        """The kernels' arguments for coded scales (their factors and mid), none for fp32 ones."""
+        if self.coding is None:
+            return {}
+        return {
+            "scale_super": layer.kernel_scale_super,
+            "offset_super": layer.kernel_offset_super,
+            "mid": self.coding.mid,
+        }
 
     def native_linear(self, layer: Any, kernels: Any) -> Any | None:
         kernel = layer.kernel
@@ -460,7 +580,14 @@ class IntWeightMethod:
         weight, scales = self.kernel_operands(layer)
         kind = 2 if self.quant.bits == 4 else 1
         return kernels.NativeLinear(
-            kind, weight, scales, layer.bias, kernel.variant, layer.kernel_offsets, self.quant.act_groups
+            kind,
+            weight,
+            scales,
+            layer.bias,
+            kernel.variant,
+            layer.kernel_offsets,
+            self.quant.act_groups,
+            **self.coded_operands(layer),
         )
 
 
@@ -474,11 +601,13 @@ def native_int_linear(
     offsets: torch.Tensor | None,
     act_groups: bool,
     out_features: int,
+    **coded: Any,
 ) -> torch.Tensor:
     """The native W4A8 / W8A8 linear on IntWeightMethod's kernel operands, any leading shape: what
-    IntWeightMethod.apply runs, and the vLLM plugin's custom op (vllm_plugin/kernels.py)."""
+    IntWeightMethod.apply runs, and the vLLM plugin's custom op (vllm_plugin/kernels.py). coded:
+    coded scales' factors and mid (IntWeightMethod.coded_operands)."""
     linear = kernel.kernels.w4a8_linear if bits == 4 else kernel.kernels.w8a8_linear
-    y = linear(x.reshape(-1, x.shape[-1]), weight, scales, bias, kernel.variant, offsets, act_groups)
+    y = linear(x.reshape(-1, x.shape[-1]), weight, scales, bias, kernel.variant, offsets, act_groups, **coded)
     return y.view(*x.shape[:-1], out_features)
 
 

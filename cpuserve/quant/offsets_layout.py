@@ -14,12 +14,12 @@ CHUNK = 16
 
 
 def to_chunks(offsets: torch.Tensor) -> torch.Tensor:
-    """[N, G] -> the driver's order, one contiguous fp32 run of N * G."""
+    """[N, G] -> the driver's order, one contiguous run of N * G (offsets, their codes or factors)."""
     n, groups = offsets.shape
     full = n // CHUNK * CHUNK
     head = offsets[:full].reshape(n // CHUNK, CHUNK, groups).transpose(1, 2).reshape(-1)
     tail = offsets[full:].t().reshape(-1)
-    return torch.cat([head, tail]).float().contiguous()
+    return torch.cat([head, tail]).contiguous()
 
 
 def from_chunks(flat: torch.Tensor, n: int, groups: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ namespace {
 // A linear as its quant method holds it after loading (quant/methods.py): kind 0 float (torch's linear, no
 // variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout) of the variant it was packed for,
 // 3 float panels (pack_float's layout, n output columns).
-// offsets: the per-group additive terms of a GGUF format with a minimum (w = s * q + offset), or none.
+// offsets: the per-group additive terms of a GGUF format with a minimum (w = s * q + offset), or none;
+// scales and offsets fp32 or codes with their super-block factors and mid (linear_driver.h, GroupScales).
 struct Linear {
   int64_t kind;
   torch::Tensor weight, scales;
@@ -29,17 +30,19 @@ struct Linear {
   c10::optional<torch::Tensor> offsets;
   bool act_groups;  // activations quantized per group (GGUF's schemes)
   int64_t n;        // output columns (float panels: the padded weight does not say)
+  c10::optional<torch::Tensor> scale_super, offset_super;
+  double mid;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case 0:
         return torch::linear(x, weight, bias);
       case 1:
-        return w8a8_linear(x, weight, scales, bias, *variant, offsets, act_groups);
+        return w8a8_linear(x, weight, scales, bias, *variant, offsets, act_groups, scale_super, offset_super, mid);
       case 3:
         return float_linear(x, weight, n, bias, *variant);
       default:
-        return w4a8_linear(x, weight, scales, bias, *variant, offsets, act_groups);
+        return w4a8_linear(x, weight, scales, bias, *variant, offsets, act_groups, scale_super, offset_super, mid);
     }
   }
 };
@@ -119,13 +122,16 @@ void register_decoder_layers(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "NativeLinear")
       .def(py::init([](int64_t kind, torch::Tensor weight, torch::Tensor scales, c10::optional<torch::Tensor> bias,
-                       const Variant* variant, c10::optional<torch::Tensor> offsets, bool act_groups, int64_t n) {
+                       const Variant* variant, c10::optional<torch::Tensor> offsets, bool act_groups, int64_t n,
+                       c10::optional<torch::Tensor> scale_super, c10::optional<torch::Tensor> offset_super,
+                       double mid) {
              TORCH_CHECK(kind == 0 || variant != nullptr, "NativeLinear: a packed linear needs its variant");
              TORCH_CHECK(kind != 3 || n > 0, "NativeLinear: float panels need their output columns");
-             return Linear{kind, weight, scales, bias, variant, offsets, act_groups, n};
+             return Linear{kind, weight, scales, bias, variant, offsets, act_groups, n, scale_super, offset_super, mid};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
-           py::arg("offsets") = py::none(), py::arg("act_groups") = false, py::arg("n") = 0);
+           py::arg("offsets") = py::none(), py::arg("act_groups") = false, py::arg("n") = 0,
+           py::arg("scale_super") = py::none(), py::arg("offset_super") = py::none(), py::arg("mid") = 0.0);
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
       .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
                        torch::Tensor mlp_norm, double eps, double residual_scale, int64_t num_heads,

@@ -1,11 +1,14 @@
 #include "linear_driver.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_features.h"
 #include "panel_layout.h"
+#include "scale_codes.h"
 
 namespace cpk {
 namespace {
@@ -151,15 +154,47 @@ AddOffsets offsets_for(const Variant& v) {
   return offsets_portable;
 }
 
+// A pointer that reads `base`'s element i at index i + shift (the kernels index scales from the
+// weight's first column; an expanded chunk starts later).
+inline const float* shifted(const float* base, int64_t shift) {
+  return reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(base) - uintptr_t(shift) * sizeof(float));
+}
+
 // Output work shared out: panels for a panel layout, else columns; each range's offsets added by
-// the thread that computed it.
+// the thread that computed it. With coded scales, each range goes in chunks of a few 16-column
+// units, its scales and offsets expanded into the thread's buffers (~32 KB: in L1 for decode) first.
 void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n, LinearKernel kernel,
-                  const LinearArgs& args) {
+                  const LinearArgs& args, const GroupScales& gs) {
   const AddOffsets add_offsets = args.offsets != nullptr ? offsets_for(v) : nullptr;
+  auto columns = [&](int64_t begin, int64_t end) {
+    return std::pair<int64_t, int64_t>{panels ? begin * kPanel : begin, panels ? std::min(n, end * kPanel) : end};
+  };
+  auto run = [&](const LinearArgs& a, int64_t begin, int64_t end) {
+    kernel(a, begin, end);
+    if (add_offsets != nullptr) add_offsets(a, columns(begin, end).first, columns(begin, end).second);
+  };
+  const bool coded = gs.scales.coded() || gs.offsets.coded();
+  const int64_t groups = args.groups, unit = kPanel * groups;
+  const int64_t per_unit = unit * (args.offsets != nullptr ? 2 : 1) * int64_t(sizeof(float));
+  const int64_t units = std::max<int64_t>(4, (131072 / per_unit) / 4 * 4);
   auto body = [&](int64_t begin, int64_t end) {
-    kernel(args, begin, end);
-    if (add_offsets != nullptr)
-      add_offsets(args, panels ? begin * kPanel : begin, panels ? std::min(n, end * kPanel) : end);
+    if (!coded) return run(args, begin, end);
+    thread_local std::vector<float> scales, offsets;
+    const auto [c0, c1] = columns(begin, end);
+    for (int64_t u0 = c0 / kPanel; u0 * kPanel < c1; u0 += units) {
+      const int64_t u1 = std::min(u0 + units, panel_count(n));
+      scales.resize(units * unit);
+      offsets.resize(args.offsets != nullptr ? units * unit : 0);
+      const float* plain = gs.scales.coded() ? nullptr : args.sw + u0 * unit;
+      scale_codes::expand(v, gs, panels, n, groups, u0, u1, scales.data(), offsets.data(), plain);
+      LinearArgs a = args;
+      if (gs.scales.coded()) a.sw = shifted(scales.data(), u0 * unit);
+      if (gs.offsets.values != nullptr && gs.offsets.coded()) a.offsets = shifted(offsets.data(), u0 * unit);
+      if (panels)
+        run(a, std::max(begin, u0), std::min(end, u1));
+      else
+        run(a, std::max(c0, u0 * kPanel), std::min(c1, u1 * kPanel));
+    }
   };
   if (panels)
     par.for_range(0, panel_count(n), 1, body);
@@ -169,28 +204,68 @@ void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n,
 
 }  // namespace
 
-void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out, const float* offsets, bool act_groups) {
+void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
+                 int64_t groups, int64_t n, float* out, bool act_groups) {
   count(v, kW8A8);
   act_groups = act_groups && groups > 1;  // one group: per token is per group
+  const bool has_offsets = s.offsets.values != nullptr;
   // uint8 w + 128 (OffsetPanels): the activation sums of each group correct it; offsets need them too.
-  const bool sums = v.int8 == Int8Layout::OffsetPanels || offsets != nullptr || act_groups;
+  const bool sums = v.int8 == Int8Layout::OffsetPanels || has_offsets || act_groups;
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups);
-  const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
-                        offsets, act_groups};
-  over_outputs(par, v, is_panels(v.int8), n, v.w8a8, args);
+  const LinearArgs args{act.q.data(),
+                        act.scales.data(),
+                        act.sums.data(),
+                        in.m,
+                        in.k,
+                        w,
+                        static_cast<const float*>(s.scales.values),
+                        groups,
+                        n,
+                        out,
+                        static_cast<const float*>(s.offsets.values),
+                        act_groups};
+  over_outputs(par, v, is_panels(v.int8), n, v.w8a8, args, s);
 }
 
-void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
-                 int64_t groups, int64_t n, float* out, const float* offsets, bool act_groups) {
+void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
+                 int64_t groups, int64_t n, float* out, bool act_groups) {
   count(v, kW4A8);
   act_groups = act_groups && groups > 1;
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, in.k / groups, act, act_groups);
-  const LinearArgs args{act.q.data(), act.scales.data(), act.sums.data(), in.m, in.k, w, scales, groups, n, out,
-                        offsets, act_groups};
-  over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args);
+  const LinearArgs args{act.q.data(),
+                        act.scales.data(),
+                        act.sums.data(),
+                        in.m,
+                        in.k,
+                        w,
+                        static_cast<const float*>(s.scales.values),
+                        groups,
+                        n,
+                        out,
+                        static_cast<const float*>(s.offsets.values),
+                        act_groups};
+  over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args, s);
+}
+
+namespace {
+GroupScales plain(const float* scales, const float* offsets) {
+  GroupScales s;
+  s.scales.values = scales;
+  s.offsets.values = offsets;
+  return s;
+}
+}  // namespace
+
+void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
+                 int64_t groups, int64_t n, float* out, const float* offsets, bool act_groups) {
+  w8a8_linear(v, par, in, w, plain(scales, offsets), groups, n, out, act_groups);
+}
+
+void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
+                 int64_t groups, int64_t n, float* out, const float* offsets, bool act_groups) {
+  w4a8_linear(v, par, in, w, plain(scales, offsets), groups, n, out, act_groups);
 }
 
 void float_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, DType wtype, int64_t n,

@@ -28,6 +28,27 @@ inline int64_t offsets_index(int64_t n, int64_t groups, int64_t g, int64_t c) {
   return full * groups + g * (n - full) + (c - full);
 }
 
+// A linear's group scales or offsets as stored. F32: as the kernels read them. Coded (GGUF's blocks as
+// the file holds them): an 8- or 16-bit code per group times a fp32 factor per super-block of `per`
+// groups (super null: 1), in the same order as the fp32 values (supers: the same order over G / per
+// groups). The driver expands them for a few panels at a time just before the kernels read them:
+// bit-identical to fp32 storage (each product of an fp16 and an 8-bit integer is exact in fp32), at
+// 1.25 instead of 4 bytes a group (Q4_K from 6 to 4.75 bits a weight, Q6_K from 10 to 8.6).
+enum class Code { F32, U8, I8, F16 };
+struct GroupValues {
+  const void* values = nullptr;  // null: none (offsets only)
+  Code code = Code::F32;
+  const float* super = nullptr;
+  int64_t per = 0;
+  bool coded() const { return code != Code::F32 || super != nullptr; }
+};
+// scales in the layout's order; offsets in column chunks (offsets_index). A coded offset is
+// mid * its group's scale + its coded value (GGUF's w = d sc (q - mid) + (mid d sc - dmin m)).
+struct GroupScales {
+  GroupValues scales, offsets;
+  float mid = 0.f;
+};
+
 // W8A8: w in the variant's int8 layout, scales [N, groups] in the layout's order (groups = 1:
 // per channel; else groups of K / groups inputs, a multiple of 4). out [M, N] fp32.
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
@@ -36,6 +57,11 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
 // offsets (both): fp32 groups x N in column chunks (variant.h), or null.
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
                  int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
+// The same with scales and offsets as GroupScales (coded or fp32).
+void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
+                 int64_t groups, int64_t n, float* out, bool act_groups);
+void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
+                 int64_t groups, int64_t n, float* out, bool act_groups);
 // act_groups: activations quantized per group of the weight's (one int8 scale per token and group,
 // as llama.cpp's Q8 activation blocks) instead of per token; only with groups > 1.
 // Unquantized: w float panels [panels, K, 16] of wtype (float_panels.h), x widened to fp32 once.

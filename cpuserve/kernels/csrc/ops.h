@@ -13,14 +13,19 @@
 
 using cpk::Variant;
 
-// offsets: fp32 groups x N in the driver's column chunks (quant/offsets_layout.py; w = s * q +
-// offset), or none; act_groups: activations quantized per group instead of per token (linear_driver.h).
+// offsets: groups x N in the driver's column chunks (quant/offsets_layout.py; w = s * q + offset), or
+// none; act_groups: activations quantized per group instead of per token; scales and offsets fp32, or
+// codes with their super-block factors and a coded offset's mid (linear_driver.h, GroupScales).
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
-                          c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
+                          c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false,
+                          c10::optional<torch::Tensor> scale_super = c10::nullopt,
+                          c10::optional<torch::Tensor> offset_super = c10::nullopt, double mid = 0.0);
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,
-                          c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false);
+                          c10::optional<torch::Tensor> offsets = c10::nullopt, bool act_groups = false,
+                          c10::optional<torch::Tensor> scale_super = c10::nullopt,
+                          c10::optional<torch::Tensor> offset_super = c10::nullopt, double mid = 0.0);
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                            const Variant& variant);
 // unit_offset: Gemma's norm, x * (1 + w) in fp32 before rounding (model/ops.py).

@@ -66,8 +66,10 @@ inline void pack_int8_panel(const int8_t* src, int64_t n, int64_t k, int64_t p, 
   }
 }
 
-// W4A8 scales [N, groups] of panel p into panel order (the whole [N, groups] buffer dst).
-inline void pack_scales_panel(const float* sw, int64_t n, int64_t groups, int64_t p, float* dst) {
+// W4A8 scales [N, groups] of panel p into panel order (the whole [N, groups] buffer dst); fp32 or the
+// bits of codes of any width.
+template <typename T>
+inline void pack_scales_panel(const T* sw, int64_t n, int64_t groups, int64_t p, T* dst) {
   const int64_t w = panel_width(n, p), c0 = p * kPanel;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t c = 0; c < w; ++c) dst[c0 * groups + g * w + c] = sw[(c0 + c) * groups + g];

@@ -63,24 +63,55 @@ cpk::LinearInput input_of(const torch::Tensor& xc) {
   return {xc.data_ptr(), float_dtype(xc, "linear input"), xc.size(0), xc.size(1)};
 }
 
-// The offsets of a linear with n outputs in `groups` groups, checked: fp32 groups x N in the driver's
-// column chunks (linear_driver.cpp, offsets_index; Python: quant/offsets_layout.py), or null.
-const float* offsets_of(const c10::optional<torch::Tensor>& offsets, int64_t n, int64_t groups, const char* what) {
-  if (!offsets.has_value()) return nullptr;
-  const torch::Tensor& o = *offsets;
-  TORCH_CHECK(o.scalar_type() == torch::kFloat32 && o.is_contiguous() && o.dim() == 1 && o.numel() == groups * n,
-              what, ": offsets must be contiguous fp32 of groups x N, in column chunks");
-  return o.data_ptr<float>();
+// One of a linear's per-group tensors (scales [N, G] in the variant's order, or offsets groups x N
+// in the driver's column chunks), checked: fp32, or codes (uint8, int8, fp16) times an fp32 factor
+// per super-block (super: N x G / per in the same order) or none (linear_driver.h, GroupValues).
+cpk::GroupValues group_values(const torch::Tensor& t, const c10::optional<torch::Tensor>& super, int64_t n,
+                              int64_t groups, const char* what) {
+  cpk::GroupValues gv;
+  const auto type = t.scalar_type();
+  gv.code = type == torch::kFloat32 ? cpk::Code::F32
+            : type == torch::kUInt8 ? cpk::Code::U8
+            : type == torch::kInt8  ? cpk::Code::I8
+                                    : cpk::Code::F16;
+  TORCH_CHECK((gv.code != cpk::Code::F16 || type == torch::kHalf) && t.is_contiguous() && t.numel() == n * groups,
+              what, ": must be contiguous N x G of fp32, uint8, int8 or fp16 codes, got ", type, " of ", t.numel());
+  gv.values = t.data_ptr();
+  if (super.has_value()) {
+    const torch::Tensor& sp = *super;
+    const int64_t supers = sp.numel() / std::max<int64_t>(n, 1);
+    TORCH_CHECK(gv.code != cpk::Code::F32 && sp.scalar_type() == torch::kFloat32 && sp.is_contiguous() &&
+                    supers > 0 && supers * n == sp.numel() && groups % supers == 0,
+                what, ": its super-block factors must be contiguous fp32 of N x (G / per), for codes");
+    gv.super = sp.data_ptr<float>();
+    gv.per = groups / supers;
+  }
+  return gv;
+}
+
+// Scales and offsets of a linear with n outputs in `groups` groups, checked (group_values); mid:
+// a coded offset's multiple of its group's scale.
+cpk::GroupScales group_scales(const torch::Tensor& scales, const c10::optional<torch::Tensor>& scale_super,
+                              const c10::optional<torch::Tensor>& offsets,
+                              const c10::optional<torch::Tensor>& offset_super, double mid, int64_t n, int64_t groups,
+                              const char* what) {
+  cpk::GroupScales s;
+  s.scales = group_values(scales, scale_super, n, groups, what);
+  if (offsets.has_value()) s.offsets = group_values(*offsets, offset_super, n, groups, what);
+  TORCH_CHECK(offsets.has_value() || !offset_super.has_value(), what, ": offset factors without offsets");
+  s.mid = float(mid);
+  return s;
 }
 
 }  // namespace
 
 // x [M, K] (fp32, bf16 or fp16), weight as pack_int8 left it for the variant (int8 rows [N, K]; int8
 // or uint8 w + 128 panels [N, quad_k(K)]), scales fp32 [N] (per channel) or [N, G] as pack_scales
-// gives them (groups of K / G inputs, a multiple of 4): out [M, N] in x's dtype.
+// gives them (groups of K / G inputs, a multiple of 4; fp32 or codes: group_values): out [M, N] in x's dtype.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets,
-                          bool act_groups) {
+                          bool act_groups, c10::optional<torch::Tensor> scale_super,
+                          c10::optional<torch::Tensor> offset_super, double mid) {
   auto xc = x.contiguous();
   const int64_t k = xc.size(1), n = qweight.size(0), groups = scales.dim() == 2 ? scales.size(1) : 1;
   const bool offset = v.int8 == cpk::Int8Layout::OffsetPanels;
@@ -89,26 +120,29 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
               "w8a8_linear: the weight must be as pack_int8 gives it for ", v.name);
   TORCH_CHECK(scales.numel() == n * groups && (groups == 1 || (k % groups == 0 && (k / groups) % 4 == 0)),
               "w8a8_linear: scales must be [N] or [N, G] with groups of a multiple of 4 inputs");
-  const float* off = offsets_of(offsets, n, groups, "w8a8_linear");
+  const cpk::GroupScales s =
+      group_scales(scales, scale_super, offsets, offset_super, mid, n, groups, "w8a8_linear scales and offsets");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
-  cpk::w8a8_linear(v, torch_parallel(), input_of(xc), qweight.data_ptr(), scales.data_ptr<float>(), groups, n,
-                   out.data_ptr<float>(), off, act_groups);
+  cpk::w8a8_linear(v, torch_parallel(), input_of(xc), qweight.data_ptr(), s, groups, n, out.data_ptr<float>(),
+                   act_groups);
   return finish(out, bias, x.scalar_type());
 }
 
-// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales fp32 [N, G] as pack_scales
-// gives them for the variant: out [M, N].
+// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales [N, G] as pack_scales
+// gives them for the variant (fp32, or codes with scale_super: group_values): out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets,
-                          bool act_groups) {
+                          bool act_groups, c10::optional<torch::Tensor> scale_super,
+                          c10::optional<torch::Tensor> offset_super, double mid) {
   auto xc = x.contiguous();
   const int64_t k = xc.size(1), n = packed.size(0), groups = scales.size(1);
   const int64_t group = k / groups;
   TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
-  const float* off = offsets_of(offsets, n, groups, "w4a8_linear");
+  const cpk::GroupScales s =
+      group_scales(scales, scale_super, offsets, offset_super, mid, n, groups, "w4a8_linear scales and offsets");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
-  cpk::w4a8_linear(v, torch_parallel(), input_of(xc), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), groups,
-                   n, out.data_ptr<float>(), off, act_groups);
+  cpk::w4a8_linear(v, torch_parallel(), input_of(xc), packed.data_ptr<uint8_t>(), s, groups, n,
+                   out.data_ptr<float>(), act_groups);
   return finish(out, bias, x.scalar_type());
 }
 
@@ -162,18 +196,30 @@ torch::Tensor pack_int8(torch::Tensor q, const Variant& v) {
   return out;
 }
 
-// Group scales fp32 [N, G] (W4A8, grouped W8A8) in the variant's order: as they are, or in panel
-// order (a variant's int8 and int4 layouts are both panels or both rows).
+// Group scales [N, G] (W4A8, grouped W8A8) in the variant's order: as they are, or in panel order
+// (a variant's int8 and int4 layouts are both panels or both rows). fp32, or codes of their own dtype
+// (uint8, int8, fp16) and their super-block factors [N, G / per] alike.
 torch::Tensor pack_scales(torch::Tensor scales, const Variant& v) {
-  auto src_t = scales.to(torch::kFloat32).contiguous();
-  if (!cpk::is_panels(v.int4)) return src_t;
+  const auto type = scales.scalar_type();
+  auto src = (type == torch::kUInt8 || type == torch::kInt8 || type == torch::kHalf ? scales : scales.to(torch::kFloat32))
+                 .contiguous();
+  if (!cpk::is_panels(v.int4)) return src;
   const int64_t n = scales.size(0), groups = scales.size(1);
-  auto out = torch::empty({n, groups}, torch::kFloat32);
-  const float* src = src_t.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, cpk::panel_count(n), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) cpk::pack_scales_panel(src, n, groups, p, dst);
-  });
+  auto out = torch::empty({n, groups}, src.options());
+  auto pack = [&](auto tag) {
+    using T = decltype(tag);
+    const T* from = static_cast<const T*>(src.data_ptr());
+    T* to = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, cpk::panel_count(n), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) cpk::pack_scales_panel(from, n, groups, p, to);
+    });
+  };
+  if (src.element_size() == 1)
+    pack(uint8_t{});
+  else if (src.element_size() == 2)
+    pack(uint16_t{});
+  else
+    pack(float{});
   return out;
 }
 
@@ -280,10 +326,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The linears let go of the GIL while they run (no Python inside).
   mod.def("w8a8_linear", &w8a8_linear, py::call_guard<py::gil_scoped_release>(),
           "W8A8 linear, channel-wise or in groups", py::arg("x"), py::arg("qweight"), py::arg("scales"),
-          py::arg("bias"), py::arg("variant"), py::arg("offsets") = py::none(), py::arg("act_groups") = false);
+          py::arg("bias"), py::arg("variant"), py::arg("offsets") = py::none(), py::arg("act_groups") = false,
+          py::arg("scale_super") = py::none(), py::arg("offset_super") = py::none(), py::arg("mid") = 0.0);
   mod.def("w4a8_linear", &w4a8_linear, py::call_guard<py::gil_scoped_release>(), "W4A8 group-wise linear",
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("variant"),
-          py::arg("offsets") = py::none(), py::arg("act_groups") = false);
+          py::arg("offsets") = py::none(), py::arg("act_groups") = false, py::arg("scale_super") = py::none(),
+          py::arg("offset_super") = py::none(), py::arg("mid") = 0.0);
   mod.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(),
           "unquantized linear on float panels (fp32 sums, weights widened in registers)", py::arg("x"),
           py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("variant"));

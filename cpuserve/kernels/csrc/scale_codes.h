@@ -1,0 +1,189 @@
+// Coded group scales and offsets (linear_driver.h: GroupValues, GroupScales) expanded to the fp32
+// values the kernels read, for a few 16-column units (panels) at a time, into a thread's buffer:
+//   scale  = super[g / per] * code            (no super: the code itself)
+//   offset = mid * scale + osuper[g / per] * ocode
+// Both products are exact in fp32 (an fp16 times an 8-bit integer; mid a power of two) and the sum
+// is rounded once, so every path here gives the same bits (quant/scale_codes.py is the reference).
+// The scalar path serves every layout; full panels of the x86 panel variants take a vector path
+// (AVX-512 or AVX2 with F16C): decode reads each panel's scales once, and a scalar expansion cost
+// as much as the panel's weights took to stream.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_features.h"
+#include "float_types.h"
+#include "linear_driver.h"
+#include "panel_layout.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace cpk {
+namespace scale_codes {
+
+inline float widen(Code code, const void* p, int64_t i) {
+  switch (code) {
+    case Code::U8: return float(static_cast<const uint8_t*>(p)[i]);
+    case Code::I8: return float(static_cast<const int8_t*>(p)[i]);
+    case Code::F16: return to_float(static_cast<const F16*>(p)[i]);
+    case Code::F32: break;
+  }
+  return static_cast<const float*>(p)[i];
+}
+
+// Units [u0, u1) of one GroupValues into dst (unit u0 first). panel_order: unit u's [G][w] block at
+// 16u * G (panel scales, every offset); else rows [w][G].
+inline void expand_scalar(const GroupValues& gv, bool panel_order, int64_t n, int64_t groups, int64_t u0, int64_t u1,
+                          float* dst) {
+  const int64_t supers = gv.super != nullptr ? groups / gv.per : 0;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t w = panel_width(n, u), at = u * kPanel * groups, sat = u * kPanel * supers;
+    float* d = dst + (u - u0) * kPanel * groups;
+    for (int64_t c = 0; c < w; ++c)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t i = panel_order ? g * w + c : c * groups + g;
+        const float x = widen(gv.code, gv.values, at + i);
+        if (gv.super == nullptr) {
+          d[i] = x;
+          continue;
+        }
+        d[i] = gv.super[sat + (panel_order ? (g / gv.per) * w + c : c * supers + g / gv.per)] * x;
+      }
+  }
+}
+
+// Offsets of units [u0, u1) (already expanded to their coded part) += mid * the scale of the same
+// group and column, read from scales (unit u0 first, in the scales' order).
+inline void add_mid_scales(int64_t n, int64_t groups, bool scales_panel_order, int64_t u0, int64_t u1,
+                           const float* scales, float mid, float* offsets) {
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t w = panel_width(n, u), at = (u - u0) * kPanel * groups;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t c = 0; c < w; ++c) {
+        const float s = scales[at + (scales_panel_order ? g * w + c : c * groups + g)];
+        offsets[at + g * w + c] = mid * s + offsets[at + g * w + c];
+      }
+  }
+}
+
+#if defined(__x86_64__)
+#define CPK_CODES_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+#define CPK_CODES_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+CPK_CODES_AVX512 inline __m512 widen16(Code code, const void* p, int64_t i) {
+  switch (code) {
+    case Code::U8:
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i))));
+    case Code::I8:
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + i))));
+    case Code::F16:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+    case Code::F32: break;
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+// Full panel u (16 columns): its scales into s and, with o, its offsets into o ([G][16] each). Groups
+// in runs of `per` under one factor (no division per group: it cost more than the panel's weights).
+// Coded offsets share their scales' super-blocks (quant/scale_codes.py: one `per` for both).
+CPK_CODES_AVX512 inline void expand_panel_avx512(const GroupScales& gs, int64_t groups, int64_t u, float* s, float* o) {
+  const GroupValues &sv = gs.scales, &ov = gs.offsets;
+  const int64_t at = u * kPanel * groups, per = sv.super != nullptr ? sv.per : groups;
+  const float* ssup = sv.super != nullptr ? sv.super + u * kPanel * (groups / per) : nullptr;
+  const float* osup = o != nullptr && ov.super != nullptr ? ov.super + u * kPanel * (groups / per) : nullptr;
+  const __m512 mid = _mm512_set1_ps(gs.mid);
+  for (int64_t g0 = 0, b = 0; g0 < groups; g0 += per, ++b) {
+    const __m512 sf = ssup != nullptr ? _mm512_loadu_ps(ssup + b * kPanel) : _mm512_setzero_ps();
+    const __m512 of = osup != nullptr ? _mm512_loadu_ps(osup + b * kPanel) : _mm512_setzero_ps();
+    for (int64_t g = g0; g < g0 + per; ++g) {
+      __m512 x = widen16(sv.code, sv.values, at + g * kPanel);
+      if (ssup != nullptr) x = _mm512_mul_ps(sf, x);
+      _mm512_storeu_ps(s + g * kPanel, x);
+      if (o == nullptr) continue;
+      __m512 y = widen16(ov.code, ov.values, at + g * kPanel);
+      if (osup != nullptr) y = _mm512_mul_ps(of, y);
+      _mm512_storeu_ps(o + g * kPanel, _mm512_add_ps(_mm512_mul_ps(mid, x), y));
+    }
+  }
+}
+
+CPK_CODES_AVX2 inline __m256 widen8(Code code, const void* p, int64_t i) {
+  switch (code) {
+    case Code::U8:
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i))));
+    case Code::I8:
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + i))));
+    case Code::F16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+    case Code::F32: break;
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+CPK_CODES_AVX2 inline void expand_panel_avx2(const GroupScales& gs, int64_t groups, int64_t u, float* s, float* o) {
+  const GroupValues &sv = gs.scales, &ov = gs.offsets;
+  const int64_t at = u * kPanel * groups, per = sv.super != nullptr ? sv.per : groups;
+  const float* ssup = sv.super != nullptr ? sv.super + u * kPanel * (groups / per) : nullptr;
+  const float* osup = o != nullptr && ov.super != nullptr ? ov.super + u * kPanel * (groups / per) : nullptr;
+  const __m256 mid = _mm256_set1_ps(gs.mid);
+  for (int64_t g0 = 0, b = 0; g0 < groups; g0 += per, ++b)
+    for (int64_t h = 0; h < kPanel; h += 8) {
+      const __m256 sf = ssup != nullptr ? _mm256_loadu_ps(ssup + b * kPanel + h) : _mm256_setzero_ps();
+      const __m256 of = osup != nullptr ? _mm256_loadu_ps(osup + b * kPanel + h) : _mm256_setzero_ps();
+      for (int64_t g = g0; g < g0 + per; ++g) {
+        __m256 x = widen8(sv.code, sv.values, at + g * kPanel + h);
+        if (ssup != nullptr) x = _mm256_mul_ps(sf, x);
+        _mm256_storeu_ps(s + g * kPanel + h, x);
+        if (o == nullptr) continue;
+        __m256 y = widen8(ov.code, ov.values, at + g * kPanel + h);
+        if (osup != nullptr) y = _mm256_mul_ps(of, y);
+        _mm256_storeu_ps(o + g * kPanel + h, _mm256_add_ps(_mm256_mul_ps(mid, x), y));
+      }
+    }
+}
+#endif
+
+// Units [u0, u1) of a linear's scales and offsets into s and o (unit u0 first), whichever are coded
+// (plain scales: read where they are, at scales_at, unit u0 first). panels: the variant's scales are
+// in panel order. A twin (no SIMD needs) takes the scalar path, the variants theirs: the same bits.
+inline void expand(const Variant& v, const GroupScales& gs, bool panels, int64_t n, int64_t groups, int64_t u0,
+                   int64_t u1, float* s, float* o, const float* scales_at) {
+  const bool coded_scales = gs.scales.coded(), coded_offsets = gs.offsets.values != nullptr && gs.offsets.coded();
+#if defined(__x86_64__)
+  const bool same_blocks = gs.offsets.super == nullptr || (gs.scales.super != nullptr && gs.offsets.per == gs.scales.per);
+  if (panels && coded_scales && (coded_offsets || gs.offsets.values == nullptr) && same_blocks &&
+      (v.needs & (kAvx512Vnni | kAvx2))) {
+    const bool wide = v.needs & kAvx512Vnni;
+    int64_t u = u0;
+    for (; u < u1 && panel_width(n, u) == kPanel; ++u) {
+      float* su = s + (u - u0) * kPanel * groups;
+      float* ou = coded_offsets ? o + (u - u0) * kPanel * groups : nullptr;
+      if (wide)
+        expand_panel_avx512(gs, groups, u, su, ou);
+      else
+        expand_panel_avx2(gs, groups, u, su, ou);
+    }
+    if (u == u1) return;
+    s += (u - u0) * kPanel * groups;  // the narrow last panel
+    if (coded_offsets) o += (u - u0) * kPanel * groups;
+    u0 = u;
+  }
+#endif
+  if (coded_scales) {
+    expand_scalar(gs.scales, panels, n, groups, u0, u1, s);
+    scales_at = s;
+  }
+  if (coded_offsets) {
+    expand_scalar(gs.offsets, true, n, groups, u0, u1, o);
+    add_mid_scales(n, groups, panels, u0, u1, scales_at, gs.mid, o);
+  }
+}
+
+}  // namespace scale_codes
+}  // namespace cpk
