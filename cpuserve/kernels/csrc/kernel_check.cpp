@@ -191,9 +191,30 @@ void check_shape(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, in
     }
 }
 
+// The bits of values [N, groups] in panel order (panel variants) or as they are.
+template <typename T>
+std::vector<T> in_scale_order(const Variant& v, const std::vector<T>& values, int64_t n, int64_t groups) {
+  if (!cpk::is_panels(v.int4)) return values;
+  std::vector<T> out(values.size());
+  for (int64_t p = 0; p < cpk::panel_count(n); ++p) cpk::pack_scales_panel(values.data(), n, groups, p, out.data());
+  return out;
+}
+
+// Values [N, groups] in the driver's column chunks (offsets_index).
+template <typename T>
+std::vector<T> in_chunks(const std::vector<T>& values, int64_t n, int64_t groups) {
+  std::vector<T> out(values.size());
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t gi = 0; gi < groups; ++gi) out[cpk::offsets_index(n, groups, gi, c)] = values[c * groups + gi];
+  return out;
+}
+
 // W8A8 in groups (16 for the channel case: Q6_K's) and W4A8 in groups, both with per-group offsets
 // (the GGUF formats with a minimum): each variant bit-identical to its twin, the twin to generic
-// within the float budget of the group sums' order.
+// within the float budget of the group sums' order. The scales and offsets are a K-quant's (6-bit
+// codes under an fp16-precision factor per `per` groups, offset = 8 scale + factor * code), and the
+// same linear with them coded (the driver expands them, linear_driver.h GroupScales) is
+// bit-identical to it with them in fp32.
 void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t group) {
   const Variant& twin = *v.twin;
   const Variant& generic = *cpk::variant_by_name("generic");
@@ -212,34 +233,54 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     const int64_t g = bits == 8 && group == 0 ? 16 : (group ? group : k), groups = k / g;
     std::vector<int8_t> w(n * k);
     for (auto& e : w) e = bits == 8 ? int8_t(rng.range(-128, 127)) : int8_t(rng.range(-8, 7));
-    std::vector<float> s(n * groups), off(n * groups);
-    for (auto& e : s) e = 0.001f + 0.01f * (rng.uniform() + 1.f);
-    for (auto& e : off) e = 0.01f * rng.uniform();
-    std::vector<float> off_t(groups * n);  // the driver's order (offsets_index)
-    for (int64_t c = 0; c < n; ++c)
-      for (int64_t gi = 0; gi < groups; ++gi) off_t[cpk::offsets_index(n, groups, gi, c)] = off[c * groups + gi];
+    const int64_t per = groups % 8 == 0 ? 8 : groups % 2 == 0 ? 2 : 1, supers = groups / per;
+    std::vector<uint8_t> sc(n * groups), mc(n * groups);
+    std::vector<float> ssup(n * supers), osup(n * supers), s(n * groups), off(n * groups);
+    for (auto& e : ssup) e = std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, rng.range(-13, -11));
+    for (auto& e : osup) e = -std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, -16);
+    for (int64_t i = 0; i < n * groups; ++i) {
+      sc[i] = uint8_t(rng.range(1, 63));
+      mc[i] = uint8_t(rng.range(0, 63));
+      const int64_t b = (i / groups) * supers + (i % groups) / per;
+      s[i] = ssup[b] * float(sc[i]);  // exact, as the driver's
+      off[i] = 8.f * s[i] + osup[b] * float(mc[i]);
+    }
+    const std::vector<float> off_t = in_chunks(off, n, groups);
     const std::vector<float> sp = pack_scales(v, s, n, groups);
+    const std::vector<uint8_t> sc_p = in_scale_order(v, sc, n, groups), mc_t = in_chunks(mc, n, groups);
+    const std::vector<float> ssup_p = in_scale_order(v, ssup, n, supers), osup_t = in_chunks(osup, n, supers);
+    cpk::GroupScales coded;
+    coded.scales = {sc_p.data(), cpk::Code::U8, per > 1 || rng.range(0, 1) ? ssup_p.data() : nullptr, per};
+    if (coded.scales.super == nullptr) coded.scales = {sp.data(), cpk::Code::F32, nullptr, 0};  // offsets alone
+    coded.offsets = {mc_t.data(), cpk::Code::U8, osup_t.data(), per};
+    coded.mid = 8.f;
+    std::vector<float> from_codes(m * n);
     std::vector<float> out(m * n), want(m * n), ref(m * n);
     if (bits == 8) {
       const std::vector<uint8_t> p8 = pack_int8(v, w, n, k);
       cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), off_t.data(), act_groups);
       cpk::w8a8_linear(twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), off_t.data(), act_groups);
       cpk::w8a8_linear(generic, kSplit, in, w.data(), s.data(), groups, n, ref.data(), off_t.data(), act_groups);
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), coded, groups, n, from_codes.data(), act_groups);
     } else {
       const std::vector<uint8_t> p4 = pack_int4(v, w, n, k), rows = pack_int4(generic, w, n, k);
       cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), off_t.data(), act_groups);
       cpk::w4a8_linear(twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), off_t.data(), act_groups);
       cpk::w4a8_linear(generic, kSplit, in, rows.data(), s.data(), groups, n, ref.data(), off_t.data(), act_groups);
+      cpk::w4a8_linear(v, kSplit, in, p4.data(), coded, groups, n, from_codes.data(), act_groups);
     }
     const bool exact = bits == 8 || v.w4_exact;
     const char* what = bits == 8 ? (act_groups ? "grouped w8a8 + offsets, activations per group" : "grouped w8a8 + offsets")
                                  : (act_groups ? "w4a8 + offsets, activations per group" : "w4a8 + offsets");
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) {
-        checks += 2;
+        checks += 3;
         const int64_t i = r * n + c;
         if (exact ? std::memcmp(&out[i], &want[i], sizeof(float)) != 0 : out[i] != want[i])
           fail(what, v.name, m, n, k, g, out[i], want[i]);
+        if (std::memcmp(&out[i], &from_codes[i], sizeof(float)) != 0)
+          fail(bits == 8 ? "grouped w8a8, coded scales" : "w4a8, coded scales", v.name, m, n, k, g, from_codes[i],
+               out[i]);
         float scale = 0.f;  // magnitude of the sums: weights, offsets, activations
         for (int64_t gi = 0; gi < groups; ++gi) scale += s[c * groups + gi] * 128.f + std::fabs(off[c * groups + gi]);
         scale *= 127.f * float(g) * sa[r];
@@ -373,7 +414,7 @@ int main(int argc, char** argv) {
         for (int64_t k : {1, 3, 64, 577})
           if (m <= 17 || (n == 33 && k == 64)) check_floats(*v, rng, m, n, k);
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
-                "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets and per-group "
+                "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded) and per-group "
                 "activations at M 1, 2, 3, 5, 17; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
                 "the dot-peak loop's count)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
