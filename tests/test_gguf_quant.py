@@ -155,15 +155,16 @@ def test_every_variant_runs_every_type(kind, n, k):
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_coded_scales_give_what_fp32_scales_give_bit_for_bit(kind):
-    """Scales and offsets held as the file codes them (1.25 bytes a group instead of 4), expanded by
-    the driver a few panels at a time on each thread: every variant's output is bit-identical to the
+    """Scales and offsets held as the file codes them (a byte a code instead of 4), expanded by the
+    driver a few panels at a time on each thread: every variant's output is bit-identical to the
     same weight with the expanded fp32 scales and offsets, for decode (1 row) and prefill blocks.
-    K = 2048 and N = 300 give each thread several chunks of panels and a narrow last panel."""
+    K = 2048 and N = 600 (38 panels, a narrow last one) on one thread and on two: chunks of 16 or 8
+    panels, so each thread's range runs as several chunks."""
     from cpuserve.quant import offsets_layout
     from cpuserve.quant.methods import native_int_linear
 
     kernels = native()
-    n, k = 300, 2048
+    n, k = 600, 2048
     x_all = torch.randn(200, k, generator=torch.Generator().manual_seed(2))
     for name in runnable_variants():
         kernel = KernelChoice(kernels, kernels.variant(name))
@@ -176,10 +177,15 @@ def test_coded_scales_give_what_fp32_scales_give_bit_for_bit(kind):
         offsets = layer.weight_offsets()
         offsets = None if offsets is None else offsets_layout.to_chunks(offsets)
         assert scales.dtype == torch.float32 and (offsets is None or offsets.dtype == torch.float32)
-        for m in (1, 5, 200):
+        threads = torch.get_num_threads()
+        for m, t in ((1, 1), (1, threads), (5, threads), (200, 1), (200, threads)):
             x = x_all[:m]
-            want = native_int_linear(kernel, layer.method.quant.bits, x, weight, scales, None, offsets, True, n)
-            assert torch.equal(layer(x), want), (kind, name, m)
+            torch.set_num_threads(t)
+            try:
+                want = native_int_linear(kernel, layer.method.quant.bits, x, weight, scales, None, offsets, True, n)
+                assert torch.equal(layer(x), want), (kind, name, m, t)
+            finally:
+                torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def docs_section(report: str, command: str) -> str:
             "",
             f"`{command}`; peak RSS is each engine's own process (VmHWM, the file's mapped pages included "
             "for both); decode GB/s counts the file's bytes per token for both engines (cpuserve reads its "
-            "repacked copy, whose scales are float32).",
+            "repacked copy: int8 for 5- to 8-bit types, scales and offsets coded as the file codes them).",
             "",
             report,
             END,

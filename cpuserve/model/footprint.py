@@ -23,6 +23,7 @@ from cpuserve.quant.config import QuantConfig
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 INT_BYTES = {"I8": 1, "U8": 1, "I32": 4, "I64": 8}
 CODE_BYTES = {"I8": 1, "U8": 1, "F16": 2, "F32": 4}  # quant/scale_codes.py
+CODED_PARTS = ("weight_scale_code", "weight_scale_super", "weight_offset_code", "weight_offset_super")
 
 
 def model_facts(
@@ -36,7 +37,7 @@ def model_facts(
     elem = torch.empty((), dtype=compute).element_size()
     with source.checkpoint as ckpt:
         params, weight_bytes, native_bytes = 0, 0, 0
-        # A GGUF's tied head: its own packed copy (values, fp32 scales and offsets), no parameters of its
+        # A GGUF's tied head: its own packed copy (values, coded scales and offsets), no parameters of its
         # own; the embedding is looked up in it (model/quantized_embedding.py), no bytes of its own.
         aliases = getattr(ckpt, "aliases", set())
         embedding_in_head = "lm_head.weight" in aliases
@@ -44,7 +45,7 @@ def model_facts(
         per_value = 0.5 if head is not None and head.bits == 4 else 1  # an int4 head's values as nibbles
         for n in ckpt.names():
             count = int(torch.Size(ckpt.shape(n)).numel())
-            if n.endswith(("_code", "_super")):  # a GGUF's coded scales and offsets, held as coded
+            if n.endswith(CODED_PARTS):  # a GGUF's coded scales and offsets, held as coded
                 held = count * CODE_BYTES[ckpt.stored_dtype(n)]
                 native_bytes += held
                 weight_bytes += held

@@ -314,9 +314,12 @@ class IntWeightMethod:
             covered = r1
             q, scale = torch.from_numpy(d.values), torch.from_numpy(d.scales)
             offset = None if d.offsets is None else torch.from_numpy(d.offsets)
-            self._check_values(ckpt, prefix, q, scale, offset)
-            if coding is not None and d.codes is None:
-                raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} have no codes {what}")
+            if coding is not None:  # each coded part checked under its own name
+                if d.codes is None:
+                    raise CheckpointError(f"{file}: tensor '{prefix}.weight': rows {r0}..{r1} have no codes {what}")
+                self._check_values(ckpt, prefix, q, coded={p: _tensor(d.codes.part(p)) for p in coding.parts()})
+            else:
+                self._check_values(ckpt, prefix, q, scale, offset)
             part = mod.pack_int4(q, variant) if bits4 else mod.pack_int8(q, variant)  # "signed": q itself
             if packed is None:
                 packed = torch.empty(n, part.shape[1], dtype=part.dtype)

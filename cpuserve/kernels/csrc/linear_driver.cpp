@@ -162,7 +162,7 @@ inline const float* shifted(const float* base, int64_t shift) {
 
 // Output work shared out: panels for a panel layout, else columns; each range's offsets added by
 // the thread that computed it. With coded scales, each range goes in chunks of a few 16-column
-// units, its scales and offsets expanded into the thread's buffers (~32 KB: in L1 for decode) first.
+// units, its scales and offsets expanded into the thread's buffers (up to ~128 KB: in L2) first.
 void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n, LinearKernel kernel,
                   const LinearArgs& args, const GroupScales& gs) {
   const AddOffsets add_offsets = args.offsets != nullptr ? offsets_for(v) : nullptr;
@@ -183,8 +183,9 @@ void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n,
     const auto [c0, c1] = columns(begin, end);
     for (int64_t u0 = c0 / kPanel; u0 * kPanel < c1; u0 += units) {
       const int64_t u1 = std::min(u0 + units, panel_count(n));
-      scales.resize(units * unit);
-      offsets.resize(args.offsets != nullptr ? units * unit : 0);
+      // grown, never shrunk: a resize back up zero-fills (128 KB between a layer without offsets and one with)
+      if (int64_t(scales.size()) < units * unit) scales.resize(units * unit);
+      if (args.offsets != nullptr && int64_t(offsets.size()) < units * unit) offsets.resize(units * unit);
       const float* plain = gs.scales.coded() ? nullptr : args.sw + u0 * unit;
       scale_codes::expand(v, gs, panels, n, groups, u0, u1, scales.data(), offsets.data(), plain);
       LinearArgs a = args;
