@@ -181,8 +181,9 @@ void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n,
     if (!coded) return run(args, begin, end);
     thread_local std::vector<float> scales, offsets;
     const auto [c0, c1] = columns(begin, end);
-    for (int64_t u0 = c0 / kPanel; u0 * kPanel < c1; u0 += units) {
-      const int64_t u1 = std::min(u0 + units, panel_count(n));
+    const int64_t last = (c1 + kPanel - 1) / kPanel;  // this range's units only: not the next thread's
+    for (int64_t u0 = c0 / kPanel; u0 < last; u0 += units) {
+      const int64_t u1 = std::min(u0 + units, last);
       // grown, never shrunk: a resize back up zero-fills (128 KB between a layer without offsets and one with)
       if (int64_t(scales.size()) < units * unit) scales.resize(units * unit);
       if (args.offsets != nullptr && int64_t(offsets.size()) < units * unit) offsets.resize(units * unit);
