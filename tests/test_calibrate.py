@@ -52,6 +52,50 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs(quant):
     assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
 
 
+def _correlated_problem(seed: int, k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [64, k] and inputs x [2048, k] with correlated channels of very different sizes (as a
+    layer's inputs are: a few channels carry most of the energy)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, k, generator=gen, dtype=torch.float64)
+    mix = torch.randn(64, k, generator=gen, dtype=torch.float64)
+    x = torch.randn(2048, 64, generator=gen, dtype=torch.float64) @ mix
+    x += 0.1 * torch.randn(2048, k, generator=gen, dtype=torch.float64)
+    x *= torch.rand(k, generator=gen, dtype=torch.float64) ** 3 * 4 + 0.05
+    return w, x
+
+
+@pytest.mark.parametrize("quant", QUANTS[:2], ids=lambda q: q.name)
+def test_act_order_keeps_groups_contiguous_under_a_group_permutation(quant):
+    """Act-order visits columns by the Hessian's diagonal, but groups stay the format's contiguous
+    columns: reordering whole groups of the problem (and the columns inside each) reorders the
+    answer in the same way, bit for bit: bookkeeping that mixed up a column's group and its
+    position in the visiting order would not commute so."""
+    w, x = _correlated_problem(3)
+    k, g = w.shape[1], quant.group_size
+    groups = torch.randperm(k // g, generator=torch.Generator().manual_seed(4))
+    inner = torch.randperm(g, generator=torch.Generator().manual_seed(5))
+    perm = (groups.unsqueeze(1) * g + inner.unsqueeze(0)).reshape(-1)
+    h = x.T @ x
+    q, scale = gptq_quantize(w, h, quant, quantize_weight, CalibrationOptions())
+    q_p, scale_p = gptq_quantize(w[:, perm], h[perm][:, perm], quant, quantize_weight, CalibrationOptions())
+    assert torch.equal(q_p, q[:, perm]) and torch.equal(scale_p, scale[:, groups])
+    # and it is not left to right: the visiting order changed the answer
+    q_ltr, _ = gptq_quantize(w, h, quant, quantize_weight, CalibrationOptions(act_order=False))
+    assert not torch.equal(q_ltr, q)
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
+def test_act_order_lowers_the_output_error_on_uneven_channels(quant):
+    w, x = _correlated_problem(6)
+    h = x.T @ x
+
+    def error(opts: CalibrationOptions) -> float:
+        return float((x @ (w - dequant(*gptq_quantize(w, h, quant, quantize_weight, opts), quant)).T).norm())
+
+    ordered, ltr = error(CalibrationOptions()), error(CalibrationOptions(act_order=False))
+    assert ordered < 0.95 * ltr, (ordered, ltr)
+
+
 def test_smoothing_keeps_the_function_and_flattens_the_activations(smol_dir):
     model = load_model(smol_dir, "float32", fuse=False, pack_float=False)  # smoothing edits its weights
     text = (LICENSES / "Apache-2.0").read_text()[:2000]

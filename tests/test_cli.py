@@ -70,6 +70,10 @@ def test_calibration_flags_without_effect_are_refused(tmp_path):
     )
     proc = _run(["quantize", "--scheme", "w8a8", "--calibration", out, "--calibration-seed", "3", out])
     assert proc.returncode == 1 and "--calibration-seed: no effect with --calibration" in proc.stderr
+    proc = _run(["quantize", "--scheme", "w8a8", "--no-gptq", "--act-order", out])
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "cpuserve: error: --act-order/--no-act-order: no effect with --no-gptq"
+    )
     assert not (tmp_path / "q").exists()
 
 

@@ -73,6 +73,12 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     qz.add_argument(
         "--gptq", action=argparse.BooleanOptionalAction, default=None, help="GPTQ error feedback when calibrating"
     )
+    qz.add_argument(
+        "--act-order",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GPTQ visits the most active inputs first (default on; groups stay contiguous: no g_idx)",
+    )
     qz.add_argument("--force", action="store_true")
     qz.add_argument("--cache-dir", default=None)
     qz.set_defaults(func=cmd_quantize)
@@ -126,6 +132,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         "--calibration-seed": args.calibration_seed,
         "--smoothquant": args.smoothquant,
         "--gptq/--no-gptq": args.gptq,
+        "--act-order/--no-act-order": args.act_order,
     }
     moot = [flag for flag, value in given.items() if value is not None]
     if args.no_calibration and moot:
@@ -134,6 +141,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ConfigError("--calibration-seed: no effect with --calibration (it seeds the text the model writes)")
     # what is not given keeps quantize_checkpoint's and CalibrationOptions' defaults
     options = {} if args.gptq is None else {"gptq": args.gptq}
+    if args.act_order is not None:
+        if args.gptq is False:
+            raise ConfigError("--act-order/--no-act-order: no effect with --no-gptq")
+        options["act_order"] = args.act_order
     if args.smoothquant is not None:
         options["smoothquant_alpha"] = args.smoothquant if args.smoothquant > 0 else None
     sizes = {"calibration_tokens": args.calibration_tokens, "calibration_window": args.calibration_window}

@@ -8,10 +8,12 @@ text, each decoder layer in turn (inputs carried through the layers already quan
   gate/up by post_attention_layernorm, down by up_proj), s_j = max|x_j|^a / max|w_j|^(1-a); the
   producer's weight is divided by s and the consumers' columns multiplied by it. The network computes
   the same function; activations lose their outliers; the checkpoint contract is unchanged.
-- GPTQ: quantize columns left to right, spreading each column's rounding error over the columns not
-  yet quantized through the inverse Hessian of the layer's inputs (H = X^T X). Scales per group are
-  chosen (as RTN does) on the already-updated weights when a group begins. No act-order: the
-  contract refuses it.
+- GPTQ: quantize columns one by one, spreading each column's rounding error over the columns not
+  yet quantized through the inverse Hessian of the layer's inputs (H = X^T X). Columns go in
+  act-order (largest H diagonal first: the most active inputs are rounded while the most columns are
+  left to absorb their error) with static groups: a group is still the format's contiguous columns,
+  so the checkpoint needs no g_idx and reads as any other (the contract refuses g_idx). A group's
+  scale is chosen (as RTN does) on its already-updated weights when its first column comes up.
 
 The result is still symmetric weights with bf16 scales and dynamic per-token int8 activations.
 """
@@ -37,6 +39,7 @@ class CalibrationOptions:
     gptq: bool = True
     damp: float = 0.01  # fraction of the mean Hessian diagonal added to it
     block: int = 128  # GPTQ columns updated together
+    act_order: bool = True  # visit columns by decreasing Hessian diagonal (groups stay contiguous)
 
 
 class _InputStats:
@@ -105,7 +108,12 @@ def _smooth(
 def gptq_quantize(
     w: torch.Tensor, hessian: torch.Tensor, quant: WeightQuant, quantizer: Quantizer, opts: CalibrationOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values [N, K] and bf16 scales [N, G] of w [N, K] with GPTQ's error feedback."""
+    """int8 values [N, K] and bf16 scales [N, G] of w [N, K] with GPTQ's error feedback.
+
+    Columns are visited in the order opts.act_order picks (largest Hessian diagonal first, or left to
+    right); groups stay the contiguous columns of the checkpoint's format whatever the order. A
+    group's scale is chosen when the first of its columns is visited, on the group's weights as the
+    error feedback has left them by then (pending block updates included)."""
     n, k = w.shape
     g = quant.group_size or k
     w = w.double().clone()
@@ -113,12 +121,18 @@ def gptq_quantize(
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if opts.act_order else torch.arange(k)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(k)
+    w, h = w[:, order], h[order][:, order]
     h += torch.eye(k, dtype=h.dtype) * opts.damp * torch.diagonal(h).mean()
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    q_all = torch.zeros(n, k, dtype=torch.int8)
+    q_all = torch.zeros(n, k, dtype=torch.int8)  # in visiting order
     scales = torch.zeros(n, k // g, dtype=torch.bfloat16)
     if not quant.group_size:  # channel-wise: one scale per row, chosen up front
         _, scales = quantizer(w.float(), quant)
+    group_quant = WeightQuant(quant.bits, g, quant.packed)
+    chosen = torch.zeros(k // g, dtype=torch.bool)
     qmax, qmin = (1 << (quant.bits - 1)) - 1, -(1 << (quant.bits - 1))
     block = max(opts.block, g) if quant.group_size else opts.block
     for i1 in range(0, k, block):
@@ -127,19 +141,26 @@ def gptq_quantize(
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = i1 + i
-            if quant.group_size and col % g == 0:
-                _, sc = quantizer(w1[:, i : i + g].float(), WeightQuant(quant.bits, g, quant.packed))
-                scales[:, col // g] = sc[:, 0]
-            s = scales[:, col // g].double()
+            group = int(order[i1 + i]) // g
+            if quant.group_size and not chosen[group]:
+                cols = position[group * g : (group + 1) * g]  # none visited yet: all at i1 + i or later
+                current = torch.empty(n, g, dtype=w.dtype)
+                inside = cols < i2
+                current[:, inside] = w1[:, cols[inside] - i1]
+                later = cols[~inside]
+                current[:, ~inside] = w[:, later] - err1[:, :i] @ hinv[i1 : i1 + i, later]
+                _, sc = quantizer(current.float(), group_quant)
+                scales[:, group] = sc[:, 0]
+                chosen[group] = True
+            s = scales[:, group].double()
             safe = torch.where(s.abs() < 1e-30, torch.ones_like(s), s)
             q = torch.round(w1[:, i] / safe).clamp(qmin, qmax)
-            q_all[:, col] = q.to(torch.int8)
+            q_all[:, i1 + i] = q.to(torch.int8)
             e = (w1[:, i] - q * safe) / hinv1[i, i]
             w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return q_all, scales
+    return q_all[:, position], scales
 
 
 def calibrate_and_quantize(
