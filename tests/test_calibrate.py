@@ -70,9 +70,10 @@ def test_act_order_keeps_groups_contiguous_under_a_group_permutation(quant):
     columns: reordering whole groups of the problem (and the columns inside each) reorders the
     answer in the same way, bit for bit: bookkeeping that mixed up a column's group and its
     position in the visiting order would not commute so."""
-    w, x = _correlated_problem(3)
+    w, x = _correlated_problem(3, k=512)
     k, g = w.shape[1], quant.group_size
     groups = torch.randperm(k // g, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(groups, torch.arange(k // g))  # whole groups really move
     inner = torch.randperm(g, generator=torch.Generator().manual_seed(5))
     perm = (groups.unsqueeze(1) * g + inner.unsqueeze(0)).reshape(-1)
     h = x.T @ x
@@ -82,6 +83,18 @@ def test_act_order_keeps_groups_contiguous_under_a_group_permutation(quant):
     # and it is not left to right: the visiting order changed the answer
     q_ltr, _ = gptq_quantize(w, h, quant, quantize_weight, CalibrationOptions(act_order=False))
     assert not torch.equal(q_ltr, q)
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
+def test_act_order_does_not_depend_on_the_block_size(quant):
+    """Lazy block updates are an order of computation, not of results: a group's scale chosen with
+    the block's pending updates folded in equals the one chosen with every update applied (one block
+    for all columns). A scale chosen on stale weights, or on the wrong copy of the block, differs."""
+    w, x = _correlated_problem(7)
+    h = x.T @ x
+    q_small, s_small = gptq_quantize(w, h, quant, quantize_weight, CalibrationOptions(block=32))
+    q_one, s_one = gptq_quantize(w, h, quant, quantize_weight, CalibrationOptions(block=w.shape[1]))
+    assert torch.equal(q_small, q_one) and torch.equal(s_small, s_one)
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)

@@ -124,7 +124,8 @@ def gptq_quantize(
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if opts.act_order else torch.arange(k)
     position = torch.empty_like(order)
     position[order] = torch.arange(k)
-    w, h = w[:, order], h[order][:, order]
+    if opts.act_order:  # left to right: no copies of w and H
+        w, h = w.index_select(1, order), h[order.unsqueeze(1), order]
     h += torch.eye(k, dtype=h.dtype) * opts.damp * torch.diagonal(h).mean()
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q_all = torch.zeros(n, k, dtype=torch.int8)  # in visiting order
@@ -148,7 +149,9 @@ def gptq_quantize(
                 inside = cols < i2
                 current[:, inside] = w1[:, cols[inside] - i1]
                 later = cols[~inside]
-                current[:, ~inside] = w[:, later] - err1[:, :i] @ hinv[i1 : i1 + i, later]
+                current[:, ~inside] = w.index_select(1, later)
+                if i > 0 and len(later):
+                    current[:, ~inside] -= err1[:, :i] @ hinv[i1 : i1 + i, later]
                 _, sc = quantizer(current.float(), group_quant)
                 scales[:, group] = sc[:, 0]
                 chosen[group] = True

@@ -45,8 +45,9 @@ DEFAULT_CALIBRATION_TOKENS = 16384
 def quantization_config(quant: WeightQuant, ignore: list[str]) -> dict[str, Any]:
     fmt = "pack-quantized" if quant.packed else "int-quantized"
     args = {
-        # GPTQ visits columns in act-order but with static groups (calibrate.py): stored exactly as
-        # actorder null (contiguous groups, no g_idx), which is what the reference's contract reads
+        # GPTQ visits columns in act-order with static groups (calibrate.py): contiguous groups, no
+        # g_idx, stored exactly as actorder null (compressed-tensors would also say "weight"); null
+        # is what the reference's contract and this project's reader take
         "actorder": None,
         "block_structure": None,
         "dynamic": False,
