@@ -290,6 +290,57 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
   }
 }
 
+// The simple GGUF types' scales (Q4_0, Q8_0: an fp16 code per group, no factor; Q4_1: offsets too,
+// mid * scale + an fp16 minimum), coded: bit-identical to the same values stored in fp32 and to the
+// twin, with and without offsets, at decode's M (whose kernels read them in place: LinearArgs::direct)
+// and at the blocks'.
+void check_fp16_codes(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t group) {
+  std::vector<float> x(m * k);
+  for (auto& e : x) e = rng.uniform();
+  const cpk::LinearInput in{x.data(), cpk::DType::F32, m, k};
+  const int64_t g = group ? group : 32, groups = k / g;
+  for (int mode = 0; mode < 8; ++mode) {
+    const int bits = mode % 2 ? 4 : 8;
+    const bool act_groups = mode & 2, with_offsets = mode & 4;
+    std::vector<int8_t> w(n * k);
+    for (auto& e : w) e = bits == 8 ? int8_t(rng.range(-128, 127)) : int8_t(rng.range(-8, 7));
+    std::vector<cpk::F16> sc(n * groups), mc(n * groups);
+    std::vector<float> s(n * groups), off(n * groups);
+    for (int64_t i = 0; i < n * groups; ++i) {
+      sc[i].bits = uint16_t(rng.range(0x1400, 0x2400));                               // 2^-10 .. 2^-6
+      mc[i].bits = uint16_t(rng.range(0, 0x2400) | (rng.range(0, 1) ? 0x8000 : 0));  // subnormals too
+      s[i] = cpk::to_float(sc[i]);
+      off[i] = 8.f * s[i] + cpk::to_float(mc[i]);
+    }
+    const std::vector<float> sp = pack_scales(v, s, n, groups), off_t = in_chunks(off, n, groups);
+    const std::vector<cpk::F16> sc_p = in_scale_order(v, sc, n, groups), mc_t = in_chunks(mc, n, groups);
+    cpk::GroupScales coded;
+    coded.scales = {sc_p.data(), cpk::Code::F16, nullptr, 0};
+    if (with_offsets) coded.offsets = {mc_t.data(), cpk::Code::F16, nullptr, 0};
+    coded.mid = 8.f;
+    const float* offsets = with_offsets ? off_t.data() : nullptr;
+    std::vector<float> out(m * n), want(m * n), from_codes(m * n);
+    if (bits == 8) {
+      const std::vector<uint8_t> p8 = pack_int8(v, w, n, k);
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), sp.data(), groups, n, out.data(), offsets, act_groups);
+      cpk::w8a8_linear(*v.twin, kSplit, in, p8.data(), sp.data(), groups, n, want.data(), offsets, act_groups);
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), coded, groups, n, from_codes.data(), act_groups);
+    } else {
+      const std::vector<uint8_t> p4 = pack_int4(v, w, n, k);
+      cpk::w4a8_linear(v, kSplit, in, p4.data(), sp.data(), groups, n, out.data(), offsets, act_groups);
+      cpk::w4a8_linear(*v.twin, kSplit, in, p4.data(), sp.data(), groups, n, want.data(), offsets, act_groups);
+      cpk::w4a8_linear(v, kSplit, in, p4.data(), coded, groups, n, from_codes.data(), act_groups);
+    }
+    const char* what = bits == 8 ? "grouped w8a8, fp16 codes" : "w4a8, fp16 codes";
+    for (int64_t i = 0; i < m * n; ++i) {
+      checks += 2;
+      if (std::memcmp(&from_codes[i], &out[i], sizeof(float)) != 0) fail(what, v.name, m, n, k, g, from_codes[i], out[i]);
+      if ((bits == 8 || v.w4_exact) && std::memcmp(&out[i], &want[i], sizeof(float)) != 0)
+        fail(bits == 8 ? "grouped w8a8 vs twin" : "w4a8 vs twin", v.name, m, n, k, g, out[i], want[i]);
+    }
+  }
+}
+
 template <typename E>
 E narrow_to(float f);
 template <>
@@ -407,15 +458,18 @@ int main(int argc, char** argv) {
           for (int64_t group : group_sizes) {
             if (k == 4096 && (m % 4 != 1 || n > 7)) continue;  // the big K on a sample of shapes
             check_shape(*v, rng, m, n, k, group);
-            if (m <= 3 || m == 5 || m == 17) check_grouped(*v, rng, m, n, k, group);  // decode, blocks, tails
+            if (m <= 3 || m == 5 || m == 17) {  // decode, blocks, tails
+              check_grouped(*v, rng, m, n, k, group);
+              check_fp16_codes(*v, rng, m, n, k, group);
+            }
           }
     for (int64_t m : {1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 50, 97})
       for (int64_t n : {1, 7, 16, 33, 70})
         for (int64_t k : {1, 3, 64, 577})
           if (m <= 17 || (n == 33 && k == 64)) check_floats(*v, rng, m, n, k);
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
-                "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded) and per-group "
-                "activations at M 1, 2, 3, 5, 17; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
+                "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded), fp16 codes with and without offsets, and "
+                "per-group activations at M 1, 2, 3, 5, 17; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
                 "the dot-peak loop's count)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name,

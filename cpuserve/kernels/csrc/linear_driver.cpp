@@ -163,8 +163,18 @@ inline const float* shifted(const float* base, int64_t shift) {
 // Output work shared out: panels for a panel layout, else columns; each range's offsets added by
 // the thread that computed it. With coded scales, each range goes in chunks of a few 16-column
 // units, its scales and offsets expanded into the thread's buffers (up to ~128 KB: in L2) first.
+// Few rows (decode) on a variant whose grouped kernels read them in place (Variant::direct_rows):
+// the kernels take the scales and offsets as stored and add the offsets themselves; an expanded
+// copy, read once, cost about half the kernel's own time. grouped: the kernel runs its grouped
+// blocks (every W4A8; W8A8 with groups > 1).
 void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n, LinearKernel kernel,
-                  const LinearArgs& args, const GroupScales& gs) {
+                  const LinearArgs& args, const GroupScales& gs, bool grouped) {
+  const bool coded = gs.scales.coded() || gs.offsets.coded();
+  if ((coded || args.offsets != nullptr) && panels && grouped && args.m <= v.direct_rows) {
+    LinearArgs a = args;
+    a.direct = &gs;
+    return par.for_range(0, panel_count(n), 1, [&](int64_t begin, int64_t end) { kernel(a, begin, end); });
+  }
   const AddOffsets add_offsets = args.offsets != nullptr ? offsets_for(v) : nullptr;
   auto columns = [&](int64_t begin, int64_t end) {
     return std::pair<int64_t, int64_t>{panels ? begin * kPanel : begin, panels ? std::min(n, end * kPanel) : end};
@@ -173,7 +183,6 @@ void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n,
     kernel(a, begin, end);
     if (add_offsets != nullptr) add_offsets(a, columns(begin, end).first, columns(begin, end).second);
   };
-  const bool coded = gs.scales.coded() || gs.offsets.coded();
   const int64_t groups = args.groups, unit = kPanel * groups;
   const int64_t per_unit = unit * (args.offsets != nullptr ? 2 : 1) * int64_t(sizeof(float));
   const int64_t units = std::max<int64_t>(4, (131072 / per_unit) / 4 * 4);
@@ -227,7 +236,7 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                         out,
                         static_cast<const float*>(s.offsets.values),
                         act_groups};
-  over_outputs(par, v, is_panels(v.int8), n, v.w8a8, args, s);
+  over_outputs(par, v, is_panels(v.int8), n, v.w8a8, args, s, groups > 1);
 }
 
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
@@ -248,7 +257,7 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                         out,
                         static_cast<const float*>(s.offsets.values),
                         act_groups};
-  over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args, s);
+  over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args, s, true);
 }
 
 namespace {

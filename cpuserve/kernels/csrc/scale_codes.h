@@ -7,6 +7,9 @@
 // The scalar path serves every layout; full panels of the x86 panel variants take a vector path
 // (AVX-512 or AVX2 with F16C): decode reads each panel's scales once, and a scalar expansion cost
 // as much as the panel's weights took to stream.
+// Decode's kernels (LinearArgs::direct) read them in place instead, one group of one panel at a time
+// into registers (group16, group8; narrow_group for a weight's narrow last panel), with the same
+// products and sums: no expanded copy written and read back, no second pass for the offsets.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +68,39 @@ inline void add_mid_scales(int64_t n, int64_t groups, bool scales_panel_order, i
         const float s = scales[at + (scales_panel_order ? g * w + c : c * groups + g)];
         offsets[at + g * w + c] = mid * s + offsets[at + g * w + c];
       }
+  }
+}
+
+// Where panel u's group values start: its values (codes or fp32) and its scales' and offsets'
+// super-block factors, all in panel order (the offsets' order is the same for a full panel).
+struct PanelAt {
+  int64_t values = 0, scale_supers = 0, offset_supers = 0;
+};
+inline PanelAt panel_at(const GroupScales& gs, int64_t groups, int64_t u) {
+  PanelAt at;
+  at.values = u * kPanel * groups;
+  if (gs.scales.super != nullptr) at.scale_supers = u * kPanel * (groups / gs.scales.per);
+  if (gs.offsets.super != nullptr) at.offset_supers = u * kPanel * (groups / gs.offsets.per);
+  return at;
+}
+
+// Group g's super-block of gv (0 without factors): once per group, not per panel.
+inline int64_t super_block(const GroupValues& gv, int64_t g) { return gv.super != nullptr ? g / gv.per : 0; }
+
+// Group g of a narrow panel (w < 16 columns): its scales into s and its offsets (if any) into o,
+// zero past w; expand_scalar's and add_mid_scales' arithmetic, so the same bits.
+inline void narrow_group(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t g, float* s, float* o) {
+  const GroupValues &sv = gs.scales, &ov = gs.offsets;
+  const int64_t sb = super_block(sv, g), ob = super_block(ov, g);
+  for (int64_t c = 0; c < kPanel; ++c) {
+    s[c] = o[c] = 0.f;
+    if (c >= w) continue;
+    const float x = widen(sv.code, sv.values, at.values + g * w + c);
+    s[c] = sv.super != nullptr ? sv.super[at.scale_supers + sb * w + c] * x : x;
+    if (ov.values == nullptr) continue;
+    const float y = widen(ov.code, ov.values, at.values + g * w + c);
+    const float coded = ov.super != nullptr ? ov.super[at.offset_supers + ob * w + c] * y : y;
+    o[c] = ov.coded() ? gs.mid * s[c] + coded : coded;
   }
 }
 
@@ -146,6 +182,33 @@ CPK_CODES_AVX2 inline void expand_panel_avx2(const GroupScales& gs, int64_t grou
         _mm256_storeu_ps(o + g * kPanel + h, _mm256_add_ps(_mm256_mul_ps(mid, x), y));
       }
     }
+}
+
+// Group g (super-blocks sb, ob: super_block) of a full panel into registers: its 16 scales s and, if
+// the linear has offsets, its 16 offsets o. expand_panel_avx512's products, so the same bits.
+CPK_CODES_AVX512 inline void group16(const GroupScales& gs, const PanelAt& at, int64_t g, int64_t sb, int64_t ob,
+                                     __m512& s, __m512& o) {
+  const GroupValues &sv = gs.scales, &ov = gs.offsets;
+  const int64_t i = at.values + g * kPanel;
+  s = widen16(sv.code, sv.values, i);
+  if (sv.super != nullptr) s = _mm512_mul_ps(_mm512_loadu_ps(sv.super + at.scale_supers + sb * kPanel), s);
+  if (ov.values == nullptr) return;
+  o = widen16(ov.code, ov.values, i);
+  if (ov.super != nullptr) o = _mm512_mul_ps(_mm512_loadu_ps(ov.super + at.offset_supers + ob * kPanel), o);
+  if (ov.coded()) o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(gs.mid), s), o);
+}
+
+// The same for half h (columns 8h .. 8h + 7) of a full panel: expand_panel_avx2's products.
+CPK_CODES_AVX2 inline void group8(const GroupScales& gs, const PanelAt& at, int64_t g, int64_t sb, int64_t ob, int h,
+                                  __m256& s, __m256& o) {
+  const GroupValues &sv = gs.scales, &ov = gs.offsets;
+  const int64_t i = at.values + g * kPanel + 8 * h;
+  s = widen8(sv.code, sv.values, i);
+  if (sv.super != nullptr) s = _mm256_mul_ps(_mm256_loadu_ps(sv.super + at.scale_supers + sb * kPanel + 8 * h), s);
+  if (ov.values == nullptr) return;
+  o = widen8(ov.code, ov.values, i);
+  if (ov.super != nullptr) o = _mm256_mul_ps(_mm256_loadu_ps(ov.super + at.offset_supers + ob * kPanel + 8 * h), o);
+  if (ov.coded()) o = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(gs.mid), s), o);
 }
 #endif
 

@@ -31,6 +31,7 @@ inline bool is_panels(Int4Layout l) { return l == Int4Layout::OffsetPanels; }
 // the driver adds sa * sum_g offset * sums after the kernel.
 // sa_groups (only with groups > 1): sa is [M, groups], one activation scale per token and group (as
 // llama.cpp's Q8 activation blocks), folded into each group's weight scales. out [M, N] fp32.
+struct GroupScales;  // linear_driver.h
 struct LinearArgs {
   const int8_t* qa;
   const float* sa;
@@ -42,6 +43,10 @@ struct LinearArgs {
   float* out;
   const float* offsets = nullptr;
   bool sa_groups = false;
+  // Set (by the driver, for m <= the variant's direct_rows): the kernel reads the group scales and
+  // offsets where they are stored, coded or not, and adds the offsets' term itself; sw and offsets
+  // are then unused. A decode step's expanded copies and second pass cost as much as its weights.
+  const GroupScales* direct = nullptr;
 };
 
 // One unquantized matmul: x [M, K] fp32, w float panels [panels, K, 16] of wtype (float_panels.h),
@@ -79,6 +84,7 @@ struct Variant {
   FloatKernel float_linear;  // unquantized linears (float_panels.h; the twin: float_panels_twin)
   DotPeak dot_peak = nullptr;  // its dot instructions' peak loop (dot_peak.h); the twins have none
   int64_t dot_peak_macs = 0;   // multiply-adds per round of that loop
+  int64_t direct_rows = 0;     // its grouped panel kernels read LinearArgs::direct for up to this many rows
 };
 
 // The ops counted per variant: one relaxed atomic increment per call, so a test can show which

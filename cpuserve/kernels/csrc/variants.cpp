@@ -44,17 +44,18 @@ const Variant kSignedPanelsTwin{"generic_signed_panels", 3, 0, I8::SignedPanels,
                                 decode_attention_generic, &kSignedPanelsTwin, true, float_panels_twin};
 
 // name, index, needs, int8 layout, int4 layout, w8a8, w4a8, quantizer, attention, twin, W4A8 exact,
-// float linear, dot-peak loop and its multiply-adds per round
+// float linear, dot-peak loop and its multiply-adds per round, rows up to which the grouped kernels
+// read scales and offsets as stored
 #if defined(__x86_64__)
 const Variant kArch[] = {
     {"avx2", 4, kAvx2, I8::SignedPanels, I4::OffsetPanels, w8a8_avx2, w4a8_avx2, quantize_row_avx2,
-     decode_attention_avx2, &kSignedPanelsTwin, true, float_linear_avx2, dot_peak_avx2, kDotPeakAvx2Macs},
+     decode_attention_avx2, &kSignedPanelsTwin, true, float_linear_avx2, dot_peak_avx2, kDotPeakAvx2Macs, 2},
     {"avx_vnni", 5, kAvx2 | kAvxVnni, I8::OffsetPanels, I4::OffsetPanels, w8a8_avx_vnni, w4a8_avx_vnni,
      quantize_row_avx2, decode_attention_avx2, &kOffsetPanelsTwin, true, float_linear_avx2, dot_peak_avx_vnni,
-     kDotPeakAvxVnniMacs},
+     kDotPeakAvxVnniMacs, 2},
     {"avx512_vnni", 6, kAvx2 | kAvx512Vnni, I8::OffsetPanels, I4::OffsetPanels, w8a8_avx512_vnni, w4a8_avx512_vnni,
      quantize_row_avx512_vnni, decode_attention_avx512_vnni, &kOffsetPanelsTwin, true, float_linear_avx512,
-     dot_peak_avx512_vnni, kDotPeakAvx512VnniMacs},
+     dot_peak_avx512_vnni, kDotPeakAvx512VnniMacs, 2},
 };
 #elif defined(__aarch64__)
 const Variant kArch[] = {

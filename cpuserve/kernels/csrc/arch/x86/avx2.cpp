@@ -26,6 +26,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
     for (int i = 0; i < P; ++i)
       for (int h = 0; h < 2; ++h) {
         const __m256i w = load_half(run, i, h, j);
+        if (h == 0) prefetch_ahead(run, i, j);
         const __m256i magnitude = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
           const __m256i signed_a = _mm256_sign_epi8(broadcast4_ymm(qa + r * k + 4 * j), w);
@@ -43,13 +44,13 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
 }
 
 // W8A8 in groups (groups > 1): s8_panel_block's sign trick per group, float sums in memory.
-template <int R, int P, bool PG>
-__attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelRun& run, const int8_t* qa, int64_t k,
-                                                                    int64_t groups, const float* sp, const float* sa,
+template <int R, int P, bool PG, typename Groups>
+__attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelRun& run, const int8_t* qa, const int32_t* gs, int64_t k,
+                                                                    int64_t groups, const Groups& src, const float* sa,
                                                                     float* out, int64_t n) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quads = k / groups / 4;
-  alignas(32) float facc[R][P][2][8] = {};
+  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
@@ -58,6 +59,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
       for (int i = 0; i < P; ++i)
         for (int h = 0; h < 2; ++h) {
           const __m256i w = load_half(run, i, h, j);
+          if (h == 0) prefetch_ahead(run, i, j);
           const __m256i magnitude = _mm256_abs_epi8(w);
           for (int r = 0; r < R; ++r) {
             const __m256i signed_a = _mm256_sign_epi8(broadcast4_ymm(qa + r * k + 4 * j), w);
@@ -65,21 +67,21 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
                                             _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
           }
         }
-    fold_group_halves<R, P, PG>(run, acc, sp, groups, g, sa, facc);
+    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, facc, sa, out, n);
+  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
 }
 
-template <int R, int P, bool PG>
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
-                                                                    const float* sp, const float* sa, float* out,
+                                                                    const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t steps = k / groups / 8;
   // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
   // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
-  alignas(32) float facc[R][P][2][8] = {};
+  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
@@ -88,6 +90,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
       for (int i = 0; i < P; ++i)
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load_half(run, i, h, j);
+          if (h == 0) prefetch_ahead(run, i, j);
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
             const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4_ymm(qa + r * k + 8 * j)),
@@ -95,9 +98,9 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
             acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(pairs, ones));
           }
         }
-    fold_group_halves<R, P, PG>(run, acc, sp, groups, g, sa, facc);
+    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, facc, sa, out, n);
+  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
 }
 
 struct S8Panels {
@@ -107,12 +110,15 @@ struct S8Panels {
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
     if (a.groups == 1)
       s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
-    else if (a.sa_groups)
-      s8_group_block<R, P, true>(run, a.qa + r * a.k, a.k, a.groups, a.sw + run.c0 * a.groups, a.sa + r * a.groups,
-                                 a.out + r * a.n + run.c0, a.n);
     else
-      s8_group_block<R, P, false>(run, a.qa + r * a.k, a.k, a.groups, a.sw + run.c0 * a.groups, a.sa + r,
-                                  a.out + r * a.n + run.c0, a.n);
+      with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
+        if (a.sa_groups)
+          s8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                     a.out + r * a.n + run.c0, a.n);
+        else
+          s8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                      a.out + r * a.n + run.c0, a.n);
+      });
   }
 };
 
@@ -121,12 +127,14 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
-    if (a.sa_groups)
-      u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
-    else
-      u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
-                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
+    with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
+      if (a.sa_groups)
+        u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                   a.out + r * a.n + run.c0, a.n);
+      else
+        u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                    a.out + r * a.n + run.c0, a.n);
+    });
   }
 };
 
@@ -134,7 +142,7 @@ struct U4Panels {
 
 __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  auto make = [&](int64_t p, int64_t np) { return S8Panels{panel_run(pw, quad_k(a.k), a.n, p, np), a}; };
+  auto make = [&](int64_t p, int64_t np) { return S8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; };
   if (a.m == 1)
     for_each_run<1, 2>(a.m, p0, p1, make);  // decode: two panels' streams interleaved
   else
@@ -143,7 +151,7 @@ __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int
 
 __attribute__((target(CPK_AVX2_TARGET))) void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  auto make = [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np), a}; };
+  auto make = [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np, a.m <= kPrefetchRows), a}; };
   if (a.m == 1)
     for_each_run<1, 2>(a.m, p0, p1, make);
   else

@@ -7,10 +7,11 @@
 #include <cstring>
 
 #include "../../quantize.h"
+#include "../../scale_codes.h"
 #include "kernels.h"
 #include "panel_runs.h"
 
-#define CPK_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+#define CPK_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,f16c"
 
 namespace cpk {
 namespace {
@@ -31,33 +32,66 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void store_panels(float* out, co
   }
 }
 
+// Panel i's scales s and offsets o (Stored with offsets) of group g.
+template <typename Groups>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void group_values(const PanelRun& run,
+                                                                                const Groups& src, int i,
+                                                                                int64_t groups, int64_t g,
+                                                                                __mmask16 live, __m512& s,
+                                                                                __m512& o) {
+  if constexpr (!Groups::kStored) {
+    s = _mm512_maskz_loadu_ps(live, src.sp + i * kPanel * groups + g * run.width[i]);
+  } else if (run.width[i] == kPanel) {
+    scale_codes::group16(src.gs, src.at[i], g, scale_codes::super_block(src.gs.scales, g),
+                         scale_codes::super_block(src.gs.offsets, g), s, o);
+  } else {
+    float sv[kPanel], ov[kPanel];
+    scale_codes::narrow_group(src.gs, src.at[i], run.width[i], g, sv, ov);
+    s = _mm512_loadu_ps(sv);
+    o = _mm512_loadu_ps(ov);
+  }
+}
+
 // The grouped blocks' float side (W4A8, grouped W8A8): group g's int32 sums folded into the float
 // sums (times the token's group scale when activations are scaled per group: PG), and at the end the
-// sums stored, times the token scale unless PG. The panel twin's fmas, in its order.
-template <int R, int P, bool PG>
-__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(const PanelRun& run,
-                                                                              const __m512i (&acc)[R][P],
-                                                                              const float* sp, int64_t groups,
-                                                                              int64_t g, const float* sa,
-                                                                              __m512 (&facc)[R][P]) {
+// sums stored, times the token scale unless PG. The panel twin's fmas, in its order. With stored
+// offsets, the offsets' term (offset * group sum of the activations, times the group scale if PG)
+// summed per group and added at the end: the driver's offsets pass (linear_driver.cpp), same bits.
+template <int R, int P, bool PG, typename Groups>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(
+    const PanelRun& run, const __m512i (&acc)[R][P], const Groups& src, const int32_t* gs, int64_t groups, int64_t g,
+    const float* sa, __m512 (&facc)[R][P], __m512 (&oacc)[R][P]) {
   for (int i = 0; i < P; ++i) {
-    const __m512 s = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF),
-                                           sp + i * kPanel * groups + g * run.width[i]);
+    __m512 s, o = _mm512_setzero_ps();
+    group_values(run, src, i, groups, g, i == P - 1 ? run.store_last : __mmask16(0xFFFF), s, o);
     for (int r = 0; r < R; ++r) {
       const __m512 sr = PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s;
       facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), sr, facc[r][i]);
+      if constexpr (Groups::kStored) {
+        if (!src.offsets) continue;
+        __m512 t = _mm512_mul_ps(o, _mm512_set1_ps(float(gs[r * groups + g])));
+        if (PG) t = _mm512_mul_ps(t, _mm512_set1_ps(sa[r * groups + g]));
+        oacc[r][i] = _mm512_add_ps(oacc[r][i], t);
+      }
     }
   }
 }
 
-template <int R, int P, bool PG>
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void store_group(const PanelRun& run,
+                                                                               const Groups& src,
                                                                                const __m512 (&facc)[R][P],
+                                                                               const __m512 (&oacc)[R][P],
                                                                                const float* sa, float* out,
                                                                                int64_t n) {
   for (int r = 0; r < R; ++r) {
     __m512 v[P];
-    for (int i = 0; i < P; ++i) v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
+    for (int i = 0; i < P; ++i) {
+      v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
+      if constexpr (Groups::kStored) {
+        if (src.offsets) v[i] = _mm512_add_ps(v[i], PG ? oacc[r][i] : _mm512_mul_ps(oacc[r][i], _mm512_set1_ps(sa[r])));
+      }
+    }
     store_panels<P>(out + r * n, v, run.store_last);
   }
 }
@@ -75,6 +109,7 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
   for (int64_t j = 0; j < quads; ++j)
     for (int i = 0; i < P; ++i) {
       const __m512i w = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
+      prefetch_ahead(run, i, j);
       for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], w, broadcast4(qa + r * k + 4 * j));
     }
   __m512 s[P];
@@ -89,16 +124,16 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
 }
 
 // W8A8 in groups (groups > 1: K / groups inputs each, whole quads): R rows (group sums gs [R, groups])
-// x P panels, sp the run's scales in panel order; out = sa[r] * sum_g s_g * dot_g, the twin's fmas.
-template <int R, int P, bool PG>
+// x P panels, scales from src; out = sa[r] * sum_g s_g * dot_g, the twin's fmas.
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
-                                                                    const float* sp, const float* sa, float* out,
+                                                                    const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
   const int64_t quads = k / groups / 4;  // quads per group
-  __m512 facc[R][P];
+  __m512 facc[R][P], oacc[R][P];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < P; ++i) facc[r][i] = _mm512_setzero_ps();
+    for (int i = 0; i < P; ++i) facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
     for (int r = 0; r < R; ++r)
@@ -106,25 +141,26 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
       for (int i = 0; i < P; ++i) {
         const __m512i w = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
+        prefetch_ahead(run, i, j);
         for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], w, broadcast4(qa + r * k + 4 * j));
       }
-    fold_group<R, P, PG>(run, acc, sp, groups, g, sa, facc);
+    fold_group<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
-  store_group<R, P, PG>(run, facc, sa, out, n);
+  store_group<R, P, PG>(run, src, facc, oacc, sa, out, n);
 }
 
-// W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels; sp: the run's scales in panel
-// order (from the run's first column). out = sa[r] * sum_g s_g * dot_g.
-template <int R, int P, bool PG>
+// W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels, scales from src. out = sa[r] *
+// sum_g s_g * dot_g.
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
-                                                                    const float* sp, const float* sa, float* out,
+                                                                    const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;  // 8-input steps per group
-  __m512 facc[R][P];
+  __m512 facc[R][P], oacc[R][P];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < P; ++i) facc[r][i] = _mm512_setzero_ps();
+    for (int i = 0; i < P; ++i) facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
     for (int r = 0; r < R; ++r)
@@ -132,6 +168,7 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
       for (int i = 0; i < P; ++i) {
         const __m512i v = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
+        prefetch_ahead(run, i, j);
         const __m512i lo = _mm512_and_si512(v, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
@@ -139,9 +176,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
           acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], hi, broadcast4(qa + r * k + 8 * j + 4));
         }
       }
-    fold_group<R, P, PG>(run, acc, sp, groups, g, sa, facc);
+    fold_group<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
-  store_group<R, P, PG>(run, facc, sa, out, n);
+  store_group<R, P, PG>(run, src, facc, oacc, sa, out, n);
 }
 
 struct U8Panels {
@@ -152,12 +189,15 @@ struct U8Panels {
     if (a.groups == 1)
       u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
                            a.n);
-    else if (a.sa_groups)
-      u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
     else
-      u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
-                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
+      with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
+        if (a.sa_groups)
+          u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                     a.out + r * a.n + run.c0, a.n);
+        else
+          u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                      a.out + r * a.n + run.c0, a.n);
+      });
   }
 };
 
@@ -166,12 +206,14 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
-    if (a.sa_groups)
-      u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
-    else
-      u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
-                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
+    with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
+      if (a.sa_groups)
+        u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                   a.out + r * a.n + run.c0, a.n);
+      else
+        u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                    a.out + r * a.n + run.c0, a.n);
+    });
   }
 };
 
@@ -180,13 +222,13 @@ struct U4Panels {
 // W8A8 panels [p0, p1) (offset panels) for all M rows.
 __attribute__((target(CPK_VNNI_TARGET))) void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np), a}; });
+  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 
 // W4A8 panels [p0, p1) with scales in panel order, for all M rows.
 __attribute__((target(CPK_VNNI_TARGET))) void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np), a}; });
+  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 
 // max_ps(a, b) returns b when a is NaN: with the running maximum (or the clamp bound) second, NaN

@@ -8,7 +8,7 @@
 #include "kernels.h"
 #include "panel_halves.h"
 
-#define CPK_AVX_VNNI_TARGET "avx2,fma,avxvnni"
+#define CPK_AVX_VNNI_TARGET "avx2,fma,f16c,avxvnni"
 
 namespace cpk {
 namespace {
@@ -26,6 +26,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const Pa
     for (int i = 0; i < P; ++i)
       for (int h = 0; h < 2; ++h) {
         const __m256i w = load_half(run, i, h, j);
+        if (h == 0) prefetch_ahead(run, i, j);
         for (int r = 0; r < R; ++r)
           acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
       }
@@ -39,13 +40,13 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const Pa
 }
 
 // W8A8 in groups (groups > 1), avx512_vnni's u8_group_block on two halves; float sums in memory.
-template <int R, int P, bool PG>
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
-                                                                        const float* sp, const float* sa, float* out,
+                                                                        const Groups& src, const float* sa, float* out,
                                                                         int64_t n) {
   const int64_t quads = k / groups / 4;
-  alignas(32) float facc[R][P][2][8] = {};
+  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
@@ -54,22 +55,23 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
       for (int i = 0; i < P; ++i)
         for (int h = 0; h < 2; ++h) {
           const __m256i w = load_half(run, i, h, j);
+          if (h == 0) prefetch_ahead(run, i, j);
           for (int r = 0; r < R; ++r)
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
         }
-    fold_group_halves<R, P, PG>(run, acc, sp, groups, g, sa, facc);
+    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, facc, sa, out, n);
+  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
 }
 
-template <int R, int P, bool PG>
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
-                                                                        const float* sp, const float* sa, float* out,
+                                                                        const Groups& src, const float* sa, float* out,
                                                                         int64_t n) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;
-  alignas(32) float facc[R][P][2][8] = {};  // in memory, as AVX2's: the registers hold the integers
+  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};  // in memory, as AVX2's: the registers hold the integers
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
@@ -78,15 +80,16 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
       for (int i = 0; i < P; ++i)
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load_half(run, i, h, j);
+          if (h == 0) prefetch_ahead(run, i, j);
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], lo, broadcast4_ymm(qa + r * k + 8 * j));
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));
           }
         }
-    fold_group_halves<R, P, PG>(run, acc, sp, groups, g, sa, facc);
+    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, facc, sa, out, n);
+  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
 }
 
 struct U8Panels {
@@ -97,12 +100,15 @@ struct U8Panels {
     if (a.groups == 1)
       u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
                            a.n);
-    else if (a.sa_groups)
-      u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
     else
-      u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
-                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
+      with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
+        if (a.sa_groups)
+          u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                     a.out + r * a.n + run.c0, a.n);
+        else
+          u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                      a.out + r * a.n + run.c0, a.n);
+      });
   }
 };
 
@@ -111,12 +117,14 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
-    if (a.sa_groups)
-      u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, a.sw + run.c0 * a.groups,
-                                 a.sa + r * a.groups, a.out + r * a.n + run.c0, a.n);
-    else
-      u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups,
-                                  a.sw + run.c0 * a.groups, a.sa + r, a.out + r * a.n + run.c0, a.n);
+    with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
+      if (a.sa_groups)
+        u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                   a.out + r * a.n + run.c0, a.n);
+      else
+        u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                    a.out + r * a.n + run.c0, a.n);
+    });
   }
 };
 
@@ -134,12 +142,12 @@ __attribute__((always_inline)) inline void blocks(const LinearArgs& a, int64_t p
 
 __attribute__((target(CPK_AVX_VNNI_TARGET))) void w8a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np), a}; });
+  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 
 __attribute__((target(CPK_AVX_VNNI_TARGET))) void w4a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np), a}; });
+  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 
 }  // namespace cpk

@@ -8,7 +8,7 @@
 
 #include "panel_runs.h"
 
-#define CPK_AVX2_TARGET "avx2,fma"
+#define CPK_AVX2_TARGET "avx2,fma,f16c"
 
 namespace cpk {
 
@@ -44,34 +44,70 @@ __attribute__((target(CPK_AVX2_TARGET))) inline __m256 load_scales_half(const Pa
   return _mm256_maskload_ps(s, lanes_below(run.width[i] - 8 * h));
 }
 
+// Half h of panel i's scales s and offsets o (Stored with offsets) of group g.
+template <typename Groups>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void group_values_half(const PanelRun& run,
+                                                                                     const Groups& src, int i, int h,
+                                                                                     int64_t groups, int64_t g,
+                                                                                     __m256& s, __m256& o) {
+  if constexpr (!Groups::kStored) {
+    s = load_scales_half(run, i, h, src.sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+  } else if (run.width[i] == kPanel) {
+    scale_codes::group8(src.gs, src.at[i], g, scale_codes::super_block(src.gs.scales, g),
+                        scale_codes::super_block(src.gs.offsets, g), h, s, o);
+  } else {
+    float sv[kPanel], ov[kPanel];
+    scale_codes::narrow_group(src.gs, src.at[i], run.width[i], g, sv, ov);
+    s = _mm256_loadu_ps(sv + 8 * h);
+    o = _mm256_loadu_ps(ov + 8 * h);
+  }
+}
+
 // The grouped blocks' float side, shared by every 256-bit grouped kernel (W4A8, grouped W8A8): group
 // g's int32 sums folded into the float sums in memory (facc += float(acc) * s, s the group's weight
 // scales, times the token's group scale when activations are scaled per group: PG), and at the end
-// the float sums stored, times the token scale unless PG. The panel twin's fmas, in its order.
-template <int R, int P, bool PG>
+// the float sums stored, times the token scale unless PG. The panel twin's fmas, in its order. With
+// stored offsets (panel_runs.h StoredGroups), their term summed alongside in oacc and added at the
+// end: the driver's offsets pass (linear_driver.cpp), same bits.
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_group_halves(
-    const PanelRun& run, const __m256i (&acc)[R][P][2], const float* sp, int64_t groups, int64_t g, const float* sa,
-    float (&facc)[R][P][2][8]) {
+    const PanelRun& run, const __m256i (&acc)[R][P][2], const Groups& src, const int32_t* gs, int64_t groups,
+    int64_t g, const float* sa, float (&facc)[R][P][2][8], float (&oacc)[R][P][2][8]) {
   for (int i = 0; i < P; ++i)
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = load_scales_half(run, i, h, sp + i * kPanel * groups + g * run.width[i] + 8 * h);
-      for (int r = 0; r < R; ++r)
+      __m256 s, o = _mm256_setzero_ps();
+      group_values_half(run, src, i, h, groups, g, s, o);
+      for (int r = 0; r < R; ++r) {
         _mm256_store_ps(facc[r][i][h],
                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
                                         PG ? _mm256_mul_ps(s, _mm256_set1_ps(sa[r * groups + g])) : s,
                                         _mm256_load_ps(facc[r][i][h])));
+        if constexpr (Groups::kStored) {
+          if (!src.offsets) continue;
+          __m256 t = _mm256_mul_ps(o, _mm256_set1_ps(float(gs[r * groups + g])));
+          if (PG) t = _mm256_mul_ps(t, _mm256_set1_ps(sa[r * groups + g]));
+          _mm256_store_ps(oacc[r][i][h], _mm256_add_ps(_mm256_load_ps(oacc[r][i][h]), t));
+        }
+      }
     }
 }
 
-template <int R, int P, bool PG>
+template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void store_group_halves(
-    const PanelRun& run, const float (&facc)[R][P][2][8], const float* sa, float* out, int64_t n) {
+    const PanelRun& run, const Groups& src, const float (&facc)[R][P][2][8], const float (&oacc)[R][P][2][8],
+    const float* sa, float* out, int64_t n) {
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i)
-      for (int h = 0; h < 2; ++h)
-        store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
-                   PG ? _mm256_load_ps(facc[r][i][h])
-                      : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r])));
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = PG ? _mm256_load_ps(facc[r][i][h]) : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r]));
+        if constexpr (Groups::kStored) {
+          if (src.offsets) {
+            const __m256 t = _mm256_load_ps(oacc[r][i][h]);
+            v = _mm256_add_ps(v, PG ? t : _mm256_mul_ps(t, _mm256_set1_ps(sa[r])));
+          }
+        }
+        store_half(run, i, h, out + r * n + i * kPanel + 8 * h, v);
+      }
 }
 
 }  // namespace cpk

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../../linear_driver.h"
 #include "../../panel_layout.h"
+#include "../../scale_codes.h"
 
 namespace cpk {
 
@@ -22,12 +24,15 @@ struct PanelRun {
   __mmask64 load[4];
   int64_t width[4];
   __mmask16 store_last;
-  int64_t c0;  // first column
+  int64_t c0;     // first column
+  int64_t ahead;  // bytes from a panel to the same panel of the next run (0: no prefetching)
 };
 
-inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n, int64_t p, int64_t np) {
+inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n, int64_t p, int64_t np,
+                          bool ahead = false) {
   PanelRun run{};
   run.c0 = p * kPanel;
+  run.ahead = ahead ? np * kPanel * bytes_per_column : 0;
   for (int64_t i = 0; i < np; ++i) {
     const int64_t w = panel_width(n, p + i);
     run.base[i] = pw + (p + i) * kPanel * bytes_per_column;
@@ -38,6 +43,17 @@ inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n
   }
   return run;
 }
+
+// Decode (few rows, one pass over the weights): step j of panel i of the next run, requested into L2
+// while this run computes. The demand loads alone kept too few misses in flight: the int8 output
+// head of the bundled model streamed at ~20 GB/s without, ~34 with (the measured read bandwidth);
+// into L1, or half a run ahead, gained less (docs/benchmarks.md).
+__attribute__((always_inline)) inline void prefetch_ahead(const PanelRun& run, int i, int64_t j) {
+  if (run.ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(run.base[i] + j * run.step[i] + run.ahead), _MM_HINT_T1);
+}
+
+// Rows up to which the kernels prefetch: decode batches, whose weights stream once per row block.
+constexpr int64_t kPrefetchRows = 16;
 
 // One block of R rows and the run's np panels (np <= P): block.template go<R, np>(r). Generic and
 // always inlined, so the ISA-specific blocks inline into each ISA's driver.
@@ -71,6 +87,32 @@ __attribute__((always_inline)) inline void for_each_run(int64_t m, int64_t p0, i
       const int64_t np = std::min<int64_t>(P, p1 - p);
       panel_rows<R, P>(make(p, np), np, r0, std::min(m, r0 + kPanelRows));
     }
+}
+
+// Where the grouped blocks read each group's weight scales: the driver's fp32 scales of the run in
+// panel order (Plain), or the linear's scales and offsets where they are stored (Stored: coded or
+// not, LinearArgs::direct), the offsets' term then summed alongside.
+struct PlainGroups {
+  static constexpr bool kStored = false;
+  const float* sp;
+};
+struct StoredGroups {
+  static constexpr bool kStored = true;
+  const GroupScales& gs;
+  scale_codes::PanelAt at[4];
+  bool offsets;
+};
+
+// A grouped block's call with its scale source: stored (LinearArgs::direct) or the driver's fp32 in
+// panel order; activation scales per group (PG) or per token. block(src, sa) runs it.
+template <typename Block>
+__attribute__((always_inline)) inline void with_groups(const LinearArgs& a, const PanelRun& run, int np, int64_t r,
+                                                     const Block& block) {
+  const float* sa = a.sa_groups ? a.sa + r * a.groups : a.sa + r;
+  if (a.direct == nullptr) return block(PlainGroups{a.sw + run.c0 * a.groups}, sa);
+  StoredGroups src{*a.direct, {}, a.direct->offsets.values != nullptr};
+  for (int i = 0; i < np; ++i) src.at[i] = scale_codes::panel_at(*a.direct, a.groups, run.c0 / kPanel + i);
+  block(src, sa);
 }
 
 }  // namespace cpk
