@@ -302,3 +302,26 @@ def test_both_attention_paths_run_here(kernels, monkeypatch):
     )
     assert not torch.equal(fast, portable)
     assert (fast - portable).abs().max() <= 2e-6
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+def test_bf16_act_rows_give_the_same_bits_on_every_variant(kernels, op):
+    """SiLU's and GeGLU's bf16 rows are compiled for each x86 width the variant allows (layer_ops.cpp,
+    act_mul_bf16_for), the same operations a lane: every variant that runs here gives the portable
+    row's bits (an odd length for the loops' tails; NaN, infinities, zeros and huge values too), and
+    the result is within the reference's budget."""
+    gen = torch.Generator().manual_seed(11)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, -0.0, 90.0, -90.0])
+    gate = torch.cat([torch.randn(1003, generator=gen) * 8, special]).to(torch.bfloat16)[None]
+    up = torch.cat([torch.randn(1003, generator=gen), torch.ones(9)]).to(torch.bfloat16)[None]
+    fn = getattr(kernels, op)
+    want = fn(gate, up, kernels.variant("generic")).view(torch.int16)
+    ran = []
+    for name in kernels.variants():
+        variant = kernels.variant(name)
+        if variant.runs_here:
+            assert torch.equal(fn(gate, up, variant).view(torch.int16), want), name
+            ran.append(name)
+    assert len(ran) >= 1
+    reference = getattr(ops, f"{op}_reference")(gate[:, :1003], up[:, :1003])
+    _close(want.view(torch.bfloat16)[:, :1003], reference, torch.bfloat16)

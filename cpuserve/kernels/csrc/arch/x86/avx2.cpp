@@ -22,18 +22,23 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
   const int64_t quads = quad_k(k) / 4;
-  for (int64_t j = 0; j < quads; ++j)
-    for (int i = 0; i < P; ++i)
+  HalfStreams<P> ws(run);
+  for (int64_t j = 0; j < quads; ++j) {
+    __m256i a[R];
+    for (int r = 0; r < R; ++r) a[r] = broadcast4_ymm(qa + r * k + 4 * j);
+    for (int i = 0; i < P; ++i) {
       for (int h = 0; h < 2; ++h) {
-        const __m256i w = load_half(run, i, h, j);
-        if (h == 0) prefetch_ahead(run, i, j);
+        const __m256i w = ws.half(i, h);
         const __m256i magnitude = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
-          const __m256i signed_a = _mm256_sign_epi8(broadcast4_ymm(qa + r * k + 4 * j), w);
+          const __m256i signed_a = _mm256_sign_epi8(a[r], w);
           acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
                                           _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
         }
       }
+      ws.advance(i);
+    }
+  }
   for (int i = 0; i < P; ++i)
     for (int h = 0; h < 2; ++h) {
       const __m256 s = load_scales_half(run, i, h, sw + i * kPanel + 8 * h);
@@ -51,22 +56,27 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quads = k / groups / 4;
   alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
+  HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
-    for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
-      for (int i = 0; i < P; ++i)
+    for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
+      __m256i a[R];
+      for (int r = 0; r < R; ++r) a[r] = broadcast4_ymm(qa + r * k + 4 * j);
+      for (int i = 0; i < P; ++i) {
         for (int h = 0; h < 2; ++h) {
-          const __m256i w = load_half(run, i, h, j);
-          if (h == 0) prefetch_ahead(run, i, j);
+          const __m256i w = ws.half(i, h);
           const __m256i magnitude = _mm256_abs_epi8(w);
           for (int r = 0; r < R; ++r) {
-            const __m256i signed_a = _mm256_sign_epi8(broadcast4_ymm(qa + r * k + 4 * j), w);
+            const __m256i signed_a = _mm256_sign_epi8(a[r], w);
             acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
                                             _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
           }
         }
+        ws.advance(i);
+      }
+    }
     fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
   store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
@@ -82,22 +92,29 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
   // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
   alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
+  HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-8 * gs[r * groups + g]);
-    for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
-      for (int i = 0; i < P; ++i)
+    for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
+      __m256i alo[R], ahi[R];
+      for (int r = 0; r < R; ++r) {
+        alo[r] = broadcast4_ymm(qa + r * k + 8 * j);
+        ahi[r] = broadcast4_ymm(qa + r * k + 8 * j + 4);
+      }
+      for (int i = 0; i < P; ++i) {
         for (int h = 0; h < 2; ++h) {
-          const __m256i v = load_half(run, i, h, j);
-          if (h == 0) prefetch_ahead(run, i, j);
+          const __m256i v = ws.half(i, h);
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4_ymm(qa + r * k + 8 * j)),
-                                                   _mm256_maddubs_epi16(hi, broadcast4_ymm(qa + r * k + 8 * j + 4)));
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]), _mm256_maddubs_epi16(hi, ahi[r]));
             acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(pairs, ones));
           }
         }
+        ws.advance(i);
+      }
+    }
     fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
   store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);

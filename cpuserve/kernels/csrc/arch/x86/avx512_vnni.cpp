@@ -4,7 +4,6 @@
 // x 4 panels for prefill: ~390 GMAC/s of the ~460 peak of 2 Zen 4 cores (docs/kernels.md). Integer
 // sums are exact and the epilogues are the panel twin's (panel_twin.h): bit-identical to it.
 #if defined(__x86_64__)
-#include <cstring>
 
 #include "../../quantize.h"
 #include "../../scale_codes.h"
@@ -16,11 +15,35 @@
 namespace cpk {
 namespace {
 
+// vbroadcastss from memory, a load-port operation (set1 of a loaded int went through a general
+// register: a load, then a vpbroadcastd, per broadcast).
 __attribute__((target(CPK_VNNI_TARGET))) inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(p))));
 }
+
+// A run's P weight streams as pointers advanced a step at a time (no multiply per load; the
+// compiler kept reloading run's fields and multiplying), each step's bytes prefetched a run ahead.
+template <int P>
+struct Streams {
+  const uint8_t* at[P];
+  __mmask64 load[P];
+  int64_t step[P];
+  int64_t ahead;
+  __attribute__((target(CPK_VNNI_TARGET), always_inline)) explicit Streams(const PanelRun& run, int64_t j0 = 0)
+      : ahead(run.ahead) {
+    for (int i = 0; i < P; ++i) {
+      at[i] = run.base[i] + j0 * run.step[i];
+      load[i] = run.load[i];
+      step[i] = run.step[i];
+    }
+  }
+  __attribute__((target(CPK_VNNI_TARGET), always_inline)) __m512i next(int i) {
+    const __m512i v = _mm512_maskz_loadu_epi8(load[i], at[i]);
+    if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(at[i] + ahead), _MM_HINT_T1);
+    at[i] += step[i];
+    return v;
+  }
+};
 
 template <int P>
 __attribute__((target(CPK_VNNI_TARGET))) inline void store_panels(float* out, const __m512 (&v)[P], __mmask16 last) {
@@ -106,12 +129,15 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-128 * asum[r]);
   const int64_t quads = quad_k(k) / 4;
-  for (int64_t j = 0; j < quads; ++j)
+  Streams<P> w(run);
+  for (int64_t j = 0; j < quads; ++j) {
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = broadcast4(qa + r * k + 4 * j);
     for (int i = 0; i < P; ++i) {
-      const __m512i w = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
-      prefetch_ahead(run, i, j);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], w, broadcast4(qa + r * k + 4 * j));
+      const __m512i v = w.next(i);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], v, a[r]);
     }
+  }
   __m512 s[P];
   for (int i = 0; i < P; ++i)
     s[i] = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF), sw + i * kPanel);
@@ -134,16 +160,19 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
   __m512 facc[R][P], oacc[R][P];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i) facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
+  Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-128 * gs[r * groups + g]);
-    for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
+    for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
+      __m512i a[R];
+      for (int r = 0; r < R; ++r) a[r] = broadcast4(qa + r * k + 4 * j);
       for (int i = 0; i < P; ++i) {
-        const __m512i w = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
-        prefetch_ahead(run, i, j);
-        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], w, broadcast4(qa + r * k + 4 * j));
+        const __m512i v = w.next(i);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], v, a[r]);
       }
+    }
     fold_group<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
   store_group<R, P, PG>(run, src, facc, oacc, sa, out, n);
@@ -161,21 +190,27 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
   __m512 facc[R][P], oacc[R][P];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < P; ++i) facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
+  Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-8 * gs[r * groups + g]);
-    for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
+    for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
+      __m512i alo[R], ahi[R];
+      for (int r = 0; r < R; ++r) {
+        alo[r] = broadcast4(qa + r * k + 8 * j);
+        ahi[r] = broadcast4(qa + r * k + 8 * j + 4);
+      }
       for (int i = 0; i < P; ++i) {
-        const __m512i v = _mm512_maskz_loadu_epi8(run.load[i], run.base[i] + j * run.step[i]);
-        prefetch_ahead(run, i, j);
+        const __m512i v = w.next(i);
         const __m512i lo = _mm512_and_si512(v, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
-          acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], lo, broadcast4(qa + r * k + 8 * j));
-          acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], hi, broadcast4(qa + r * k + 8 * j + 4));
+          acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], lo, alo[r]);
+          acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], hi, ahi[r]);
         }
       }
+    }
     fold_group<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
   }
   store_group<R, P, PG>(run, src, facc, oacc, sa, out, n);

@@ -23,6 +23,34 @@ __attribute__((target(CPK_AVX2_TARGET))) inline __m256i load_half(const PanelRun
   return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes_below(run.width[i] - 8 * h));
 }
 
+// A run's P weight streams as pointers advanced a step at a time, each step's bytes prefetched a run
+// ahead (panel_runs.h prefetch_ahead): load_half's multiply per load and reloads of run's fields
+// were a third of a decode block's instructions.
+template <int P>
+struct HalfStreams {
+  const uint8_t* at[P];
+  int64_t step[P];
+  int64_t width[P];
+  int64_t ahead;
+  __attribute__((target(CPK_AVX2_TARGET), always_inline)) explicit HalfStreams(const PanelRun& run)
+      : ahead(run.ahead) {
+    for (int i = 0; i < P; ++i) {
+      at[i] = run.base[i];
+      step[i] = run.step[i];
+      width[i] = run.width[i];
+    }
+  }
+  // Half h of panel i's current step; lanes past the panel's width read as zero.
+  __attribute__((target(CPK_AVX2_TARGET), always_inline)) __m256i half(int i, int h) const {
+    if (width[i] == kPanel) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[i] + 32 * h));
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(at[i] + 32 * h), lanes_below(width[i] - 8 * h));
+  }
+  __attribute__((target(CPK_AVX2_TARGET), always_inline)) void advance(int i) {
+    if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(at[i] + ahead), _MM_HINT_T1);
+    at[i] += step[i];
+  }
+};
+
 // vbroadcastss from memory: a load-port operation (set1 of a loaded int went through a general
 // register, movd and vpbroadcastd: three ALU operations per broadcast, the inner loop's bottleneck).
 __attribute__((target(CPK_AVX2_TARGET))) inline __m256i broadcast4_ymm(const int8_t* p) {
