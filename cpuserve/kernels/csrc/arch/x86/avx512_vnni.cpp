@@ -55,18 +55,19 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void store_panels(float* out, co
   }
 }
 
-// Panel i's scales s and offsets o (Stored with offsets) of group g.
+// Panel i's scales s and offsets o (Stored with offsets) of group g, in super-blocks sb and ob
+// (scale_codes::super_block, once a group: a division per panel cost as much as its weights).
 template <typename Groups>
 __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void group_values(const PanelRun& run,
                                                                                 const Groups& src, int i,
                                                                                 int64_t groups, int64_t g,
+                                                                                int64_t sb, int64_t ob,
                                                                                 __mmask16 live, __m512& s,
                                                                                 __m512& o) {
   if constexpr (!Groups::kStored) {
     s = _mm512_maskz_loadu_ps(live, src.sp + i * kPanel * groups + g * run.width[i]);
   } else if (run.width[i] == kPanel) {
-    scale_codes::group16(src.gs, src.at[i], g, scale_codes::super_block(src.gs.scales, g),
-                         scale_codes::super_block(src.gs.offsets, g), s, o);
+    scale_codes::group16(src.gs, src.at[i], g, sb, ob, s, o);
   } else {
     float sv[kPanel], ov[kPanel];
     scale_codes::narrow_group(src.gs, src.at[i], run.width[i], g, sv, ov);
@@ -84,9 +85,14 @@ template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(
     const PanelRun& run, const __m512i (&acc)[R][P], const Groups& src, const int32_t* gs, int64_t groups, int64_t g,
     const float* sa, __m512 (&facc)[R][P], __m512 (&oacc)[R][P]) {
+  int64_t sb = 0, ob = 0;
+  if constexpr (Groups::kStored) {
+    sb = scale_codes::super_block(src.gs.scales, g);
+    ob = scale_codes::super_block(src.gs.offsets, g);
+  }
   for (int i = 0; i < P; ++i) {
     __m512 s, o = _mm512_setzero_ps();
-    group_values(run, src, i, groups, g, i == P - 1 ? run.store_last : __mmask16(0xFFFF), s, o);
+    group_values(run, src, i, groups, g, sb, ob, i == P - 1 ? run.store_last : __mmask16(0xFFFF), s, o);
     for (int r = 0; r < R; ++r) {
       const __m512 sr = PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s;
       facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), sr, facc[r][i]);

@@ -72,17 +72,18 @@ __attribute__((target(CPK_AVX2_TARGET))) inline __m256 load_scales_half(const Pa
   return _mm256_maskload_ps(s, lanes_below(run.width[i] - 8 * h));
 }
 
-// Half h of panel i's scales s and offsets o (Stored with offsets) of group g.
+// Half h of panel i's scales s and offsets o (Stored with offsets) of group g, in super-blocks sb and
+// ob (scale_codes::super_block, once a group: a division per half cost as much as its weights).
 template <typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void group_values_half(const PanelRun& run,
                                                                                      const Groups& src, int i, int h,
                                                                                      int64_t groups, int64_t g,
+                                                                                     int64_t sb, int64_t ob,
                                                                                      __m256& s, __m256& o) {
   if constexpr (!Groups::kStored) {
     s = load_scales_half(run, i, h, src.sp + i * kPanel * groups + g * run.width[i] + 8 * h);
   } else if (run.width[i] == kPanel) {
-    scale_codes::group8(src.gs, src.at[i], g, scale_codes::super_block(src.gs.scales, g),
-                        scale_codes::super_block(src.gs.offsets, g), h, s, o);
+    scale_codes::group8(src.gs, src.at[i], g, sb, ob, h, s, o);
   } else {
     float sv[kPanel], ov[kPanel];
     scale_codes::narrow_group(src.gs, src.at[i], run.width[i], g, sv, ov);
@@ -101,10 +102,15 @@ template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_group_halves(
     const PanelRun& run, const __m256i (&acc)[R][P][2], const Groups& src, const int32_t* gs, int64_t groups,
     int64_t g, const float* sa, float (&facc)[R][P][2][8], float (&oacc)[R][P][2][8]) {
+  int64_t sb = 0, ob = 0;
+  if constexpr (Groups::kStored) {
+    sb = scale_codes::super_block(src.gs.scales, g);
+    ob = scale_codes::super_block(src.gs.offsets, g);
+  }
   for (int i = 0; i < P; ++i)
     for (int h = 0; h < 2; ++h) {
       __m256 s, o = _mm256_setzero_ps();
-      group_values_half(run, src, i, h, groups, g, s, o);
+      group_values_half(run, src, i, h, groups, g, sb, ob, s, o);
       for (int r = 0; r < R; ++r) {
         _mm256_store_ps(facc[r][i][h],
                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
