@@ -184,6 +184,20 @@ CPK_CODES_AVX2 inline void expand_panel_avx2(const GroupScales& gs, int64_t grou
     }
 }
 
+inline int64_t code_bytes(Code code) { return code == Code::F32 ? 4 : code == Code::F16 ? 2 : 1; }
+
+// Group g's values and factors of the panel at `at` requested into L2: decode's kernels ask for the
+// next run's while this run computes (its code loads missed cache: the top samples of a Q4_K block).
+inline void prefetch_group(const GroupScales& gs, const PanelAt& at, int64_t g, int64_t sb, int64_t ob) {
+  const GroupValues &sv = gs.scales, &ov = gs.offsets;
+  const int64_t i = at.values + g * kPanel;
+  _mm_prefetch(static_cast<const char*>(sv.values) + i * code_bytes(sv.code), _MM_HINT_T1);
+  if (sv.super != nullptr) _mm_prefetch(reinterpret_cast<const char*>(sv.super + at.scale_supers + sb * kPanel), _MM_HINT_T1);
+  if (ov.values == nullptr) return;
+  _mm_prefetch(static_cast<const char*>(ov.values) + i * code_bytes(ov.code), _MM_HINT_T1);
+  if (ov.super != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ov.super + at.offset_supers + ob * kPanel), _MM_HINT_T1);
+}
+
 // Group g (super-blocks sb, ob: super_block) of a full panel into registers: its 16 scales s and, if
 // the linear has offsets, its 16 offsets o. expand_panel_avx512's products, so the same bits.
 CPK_CODES_AVX512 inline void group16(const GroupScales& gs, const PanelAt& at, int64_t g, int64_t sb, int64_t ob,

@@ -89,6 +89,7 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(
   if constexpr (Groups::kStored) {
     sb = scale_codes::super_block(src.gs.scales, g);
     ob = scale_codes::super_block(src.gs.offsets, g);
+    for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, sb, ob);
   }
   for (int i = 0; i < P; ++i) {
     __m512 s, o = _mm512_setzero_ps();

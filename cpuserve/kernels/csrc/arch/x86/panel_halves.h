@@ -106,6 +106,7 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_group_h
   if constexpr (Groups::kStored) {
     sb = scale_codes::super_block(src.gs.scales, g);
     ob = scale_codes::super_block(src.gs.offsets, g);
+    for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, sb, ob);
   }
   for (int i = 0; i < P; ++i)
     for (int h = 0; h < 2; ++h) {

@@ -101,6 +101,8 @@ struct StoredGroups {
   const GroupScales& gs;
   scale_codes::PanelAt at[4];
   bool offsets;
+  scale_codes::PanelAt next[4];  // the same panel of the next run (prefetched while decoding)
+  int prefetch = 0;              // how many of next are panels of the weight (0 outside decode)
 };
 
 // A grouped block's call with its scale source: stored (LinearArgs::direct) or the driver's fp32 in
@@ -111,7 +113,14 @@ __attribute__((always_inline)) inline void with_groups(const LinearArgs& a, cons
   const float* sa = a.sa_groups ? a.sa + r * a.groups : a.sa + r;
   if (a.direct == nullptr) return block(PlainGroups{a.sw + run.c0 * a.groups}, sa);
   StoredGroups src{*a.direct, {}, a.direct->offsets.values != nullptr};
-  for (int i = 0; i < np; ++i) src.at[i] = scale_codes::panel_at(*a.direct, a.groups, run.c0 / kPanel + i);
+  const int64_t first = run.c0 / kPanel, panels = panel_count(a.n);
+  for (int i = 0; i < np; ++i) {
+    src.at[i] = scale_codes::panel_at(*a.direct, a.groups, first + i);
+    if (run.ahead != 0 && first + np + i < panels) {
+      src.next[i] = scale_codes::panel_at(*a.direct, a.groups, first + np + i);
+      src.prefetch = i + 1;
+    }
+  }
   block(src, sa);
 }
 
