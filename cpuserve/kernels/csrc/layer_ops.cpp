@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -291,9 +292,13 @@ torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, const Variant& varia
 }
 
 // silu(gate) * up, e^-x from exp_poly (branch-free: the bf16 rows vectorize). Its clamp is harmless
-// here: below x = -88 silu is x / (1 + 2.4e38), about 0 as it should be; above 87, x.
+// here: below x = -88 silu is x / (1 + 2.4e38), about 0 as it should be; above 87, x. At -inf the
+// clamp would give -inf / 2.4e38 = -inf: NaN there, as torch's -inf * sigmoid(-inf) is (a select).
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant) {
-  return act_mul(gate, up, variant, cpk::kSiluMul, "silu_mul", [](float x) { return x / (1.f + exp_poly(-x)); });
+  return act_mul(gate, up, variant, cpk::kSiluMul, "silu_mul", [](float x) {
+    const float y = x / (1.f + exp_poly(-x));
+    return x == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN() : y;
+  });
 }
 
 // gelu(gate) * up with gelu's tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3),

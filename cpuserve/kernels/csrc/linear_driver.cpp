@@ -170,7 +170,7 @@ inline const float* shifted(const float* base, int64_t shift) {
 void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n, LinearKernel kernel,
                   const LinearArgs& args, const GroupScales& gs, bool grouped) {
   const bool coded = gs.scales.coded() || gs.offsets.coded();
-  if ((coded || args.offsets != nullptr) && panels && grouped && args.m <= v.direct_rows) {
+  if ((coded || args.offsets != nullptr) && panels && grouped && v.direct_rows > 0 && args.m <= v.direct_rows) {
     LinearArgs a = args;
     a.direct = &gs;
     return par.for_range(0, panel_count(n), 1, [&](int64_t begin, int64_t end) { kernel(a, begin, end); });

@@ -29,17 +29,16 @@ struct Streams {
   __mmask64 load[P];
   int64_t step[P];
   int64_t ahead;
-  __attribute__((target(CPK_VNNI_TARGET), always_inline)) explicit Streams(const PanelRun& run, int64_t j0 = 0)
-      : ahead(run.ahead) {
+  __attribute__((target(CPK_VNNI_TARGET), always_inline)) explicit Streams(const PanelRun& run) : ahead(run.ahead) {
     for (int i = 0; i < P; ++i) {
-      at[i] = run.base[i] + j0 * run.step[i];
+      at[i] = run.base[i];
       load[i] = run.load[i];
       step[i] = run.step[i];
     }
   }
   __attribute__((target(CPK_VNNI_TARGET), always_inline)) __m512i next(int i) {
     const __m512i v = _mm512_maskz_loadu_epi8(load[i], at[i]);
-    if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(at[i] + ahead), _MM_HINT_T1);
+    if (ahead != 0) prefetch_l2(at[i], ahead);
     at[i] += step[i];
     return v;
   }

@@ -46,7 +46,7 @@ struct HalfStreams {
     return _mm256_maskload_epi32(reinterpret_cast<const int*>(at[i] + 32 * h), lanes_below(width[i] - 8 * h));
   }
   __attribute__((target(CPK_AVX2_TARGET), always_inline)) void advance(int i) {
-    if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(at[i] + ahead), _MM_HINT_T1);
+    if (ahead != 0) prefetch_l2(at[i], ahead);
     at[i] += step[i];
   }
 };
