@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
-from cpuserve.bench.serving_bench import Point, ServingResult, prompt_ids, render_table
+import httpx
+
+from cpuserve.bench.serving_bench import WORKLOADS, Point, ServingResult, _one, prompt_ids, render_table
 
 
 def test_tok_s_ttft_percentiles_and_the_ratio_column():
@@ -31,3 +35,42 @@ def test_eight_streams_over_one_is_reported_per_server():
     assert "- m, decode-heavy: 8 streams / 1 stream = cpuserve **4.00x**, llama-server 2.50x" in table
     alone = render_table([ServingResult("m", {"decode-heavy": [Point(1, tokens=10, seconds=1.0)]}, None)])
     assert "streams / 1 stream" not in alone  # no 8-stream point measured: no line
+
+
+def _closing_then_answering(closes: int) -> httpx.MockTransport:
+    """A server that drops the first `closes` requests' connections unanswered, then streams 128 tokens."""
+    calls = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) <= closes:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        events = [{"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 128}}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handle)
+
+
+def _send(transport: httpx.MockTransport) -> Point:
+    point = Point(1)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            await _one(client, WORKLOADS["decode-heavy"], [300, 301], point)
+
+    asyncio.run(go())
+    return point
+
+
+def test_a_connection_closed_unanswered_is_sent_once_more_and_reported():
+    once = _send(_closing_then_answering(1))
+    assert (once.requests, once.tokens, once.resent, once.errors) == (1, 128, 1, [])
+    table = render_table([ServingResult("m", {"decode-heavy": [Point(1)]}, {"decode-heavy": [once]})])
+    assert "resent: llama-server, m, decode-heavy, 1 streams: 1 request(s) sent again" in table
+    twice = _send(_closing_then_answering(2))  # closed again: an error, not a third try
+    assert (twice.requests, twice.tokens, twice.resent) == (0, 0, 1)
+    assert twice.errors == ["RemoteProtocolError: Server disconnected without sending a response."]
+    assert "resent:" not in render_table(
+        [ServingResult("m", {"decode-heavy": [_send(_closing_then_answering(0))]}, None)]
+    )

@@ -52,6 +52,7 @@ class Point:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    resent: int = 0  # requests sent again after the server closed their connection unanswered
 
     @property
     def tok_s(self) -> float:
@@ -70,6 +71,11 @@ def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 async def _one(client, workload: Workload, ids: list[int], point: Point) -> None:  # type: ignore[no-untyped-def]
+    """One streamed request. A connection the server closed before any response (a kept-alive one it
+    had dropped: llama-server did, five times in one suite run) is sent once more and counted in
+    `point.resent`; TTFT still counts from the first send."""
+    import httpx
+
     body = {
         "prompt": ids,
         "max_tokens": workload.output_tokens,
@@ -81,21 +87,31 @@ async def _one(client, workload: Workload, ids: list[int], point: Point) -> None
     start = time.monotonic()
     first = None
     usage = None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                point.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if first is None and any(c.get("text") for c in event.get("choices") or []):
-                    first = time.monotonic()
-                usage = event.get("usage") or usage
-    except Exception as exc:  # a transport failure is a result to report, not a crash
-        point.errors.append(f"{type(exc).__name__}: {exc}")
-        return
+    for attempt in range(2):
+        answered = False
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                answered = True
+                if r.status_code != 200:
+                    point.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if first is None and any(c.get("text") for c in event.get("choices") or []):
+                        first = time.monotonic()
+                    usage = event.get("usage") or usage
+            break
+        except httpx.RemoteProtocolError as exc:
+            if not answered and attempt == 0:
+                point.resent += 1
+                continue
+            point.errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:  # a transport failure is a result to report, not a crash
+            point.errors.append(f"{type(exc).__name__}: {exc}")
+            return
     if not usage or usage.get("completion_tokens") != workload.output_tokens:
         point.errors.append(f"usage {usage} for max_tokens {workload.output_tokens}")
         return
@@ -193,7 +209,7 @@ def render_table(results: list[ServingResult]) -> str:
         "| cpuserve TTFT p50 / p90 | llama-server TTFT p50 / p90 |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    errors = []
+    errors, resent = [], []
     for result in results:
         for name, points in result.ours.items():
             for i, p in enumerate(points):
@@ -212,8 +228,16 @@ def render_table(results: list[ServingResult]) -> str:
             for p in ps
             for e in p.errors
         ]
+        resent += [
+            f"resent: {engine}, {result.label}, {name}, {p.streams} streams: {p.resent} request(s) sent again "
+            "after the server closed the connection without a response"
+            for engine, pts in (("cpuserve", result.ours), ("llama-server", result.peer or {}))
+            for name, ps in pts.items()
+            for p in ps
+            if p.resent
+        ]
     scaling = [line for result in results for line in _scaling(result)]
-    lines += (["", *scaling] if scaling else []) + [f"error: {e}" for e in errors[:10]]
+    lines += (["", *scaling] if scaling else []) + [f"error: {e}" for e in errors[:10]] + resent
     return "\n".join(lines)
 
 
