@@ -17,6 +17,7 @@ from cpuserve.quant.gguf_blocks import SCHEMES, decode
 from cpuserve.quant.linear import Linear
 from cpuserve.quant.methods import IntWeightMethod, KernelChoice
 from cpuserve.quant.reference import reference_forward
+from cpuserve.quant.scale_codes import activation_block
 
 TYPES = sorted(SCHEMES)
 # Kernel vs the integer reference of the same scheme: the float order of the group sums only.
@@ -145,7 +146,13 @@ def test_every_variant_runs_every_type(kind, n, k):
             # one copy of the scales in memory, the kernel's: read back exactly in the checkpoint's order
             assert layer.scales is None and torch.equal(layer.weight_scales(), reference_layer.scales), (kind, name)
             native_twin = reference_forward(
-                x, layer.int_weight(), layer.weight_scales(), None, layer.weight_offsets(), True
+                x,
+                layer.int_weight(),
+                layer.weight_scales(),
+                None,
+                layer.weight_offsets(),
+                True,
+                activation_block(layer.method.coding, SCHEMES[kind].group),
             )
             assert torch.equal(native_twin, ref)
             if variant.twin != variant:  # the SIMD kernel is bit-identical to its layout's scalar twin
@@ -159,7 +166,9 @@ def test_coded_scales_give_what_fp32_scales_give_bit_for_bit(kind):
     driver a few panels at a time on each thread: every variant's output is bit-identical to the
     same weight with the expanded fp32 scales and offsets, for decode (1 row) and prefill blocks.
     K = 2048 and N = 600 (38 panels, a narrow last one) on one thread and on two: chunks of 16 or 8
-    panels, so each thread's range runs as several chunks."""
+    panels, so each thread's range runs as several chunks. The K-quants (activations per super-block,
+    folded in int32 by the panel kernels, read in place at any M) have no fp32 twin of that kind:
+    each variant's output is instead bit-identical to its layout's scalar twin's, on any thread count."""
     from cpuserve.quant import offsets_layout
     from cpuserve.quant.methods import native_int_linear
 
@@ -177,12 +186,18 @@ def test_coded_scales_give_what_fp32_scales_give_bit_for_bit(kind):
         offsets = layer.weight_offsets()
         offsets = None if offsets is None else offsets_layout.to_chunks(offsets)
         assert scales.dtype == torch.float32 and (offsets is None or offsets.dtype == torch.float32)
+        folded = activation_block(coding, SCHEMES[kind].group) > 1
+        if folded:
+            twin, _ = _linear(kind, n, k, seed=5, kernel=KernelChoice(kernels, kernel.variant.twin))
         threads = torch.get_num_threads()
         for m, t in ((1, 1), (1, threads), (5, threads), (200, 1), (200, threads)):
             x = x_all[:m]
             torch.set_num_threads(t)
             try:
-                want = native_int_linear(kernel, layer.method.quant.bits, x, weight, scales, None, offsets, True, n)
+                if folded:
+                    want = twin(x)
+                else:
+                    want = native_int_linear(kernel, layer.method.quant.bits, x, weight, scales, None, offsets, True, n)
                 assert torch.equal(layer(x), want), (kind, name, m, t)
             finally:
                 torch.set_num_threads(threads)

@@ -26,7 +26,7 @@ from cpuserve.quant import offsets_layout
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.packing import panel_scale_index, unpack_int, unpack_int8, unpack_nibbles, unpack_rows
 from cpuserve.quant.reference import reference_forward
-from cpuserve.quant.scale_codes import ScaleCoding, expand_offsets, expand_scales
+from cpuserve.quant.scale_codes import ScaleCoding, activation_block, expand_offsets, expand_scales
 
 FLOAT_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CODE_PARTS = ("scale_code", "scale_super", "offset_code", "offset_super")  # a coded layer's buffers
@@ -550,7 +550,13 @@ class IntWeightMethod:
         kernel = layer.kernel
         if kernel is None:
             return reference_forward(
-                x, self.int_weight(layer), layer.scales, layer.bias, layer.offsets, self.quant.act_groups
+                x,
+                self.int_weight(layer),
+                layer.scales,
+                layer.bias,
+                layer.offsets,
+                self.quant.act_groups,
+                activation_block(self.coding, self.quant.group_size),
             )
         weight, scales = self.kernel_operands(layer)
         return native_int_linear(

@@ -19,15 +19,18 @@ def _per_group_forward(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
     offsets: torch.Tensor | None,
+    block: int = 1,
 ) -> torch.Tensor:
-    """y = sum_g s_a[g] * (s_w[g] * acc_g + offset_g * sum_g(q_a)), each group's activations
-    quantized on their own; group sums exact (g <= EXACT_CHUNK), combined in float64."""
+    """y = sum_g s_a[g] * (s_w[g] * acc_g + offset_g * sum_g(q_a)), the activations of each block
+    of `block` groups quantized on their own; group sums exact (g <= EXACT_CHUNK), combined in
+    float64."""
     m, k = x.shape
     n, groups = scales.shape
     g = k // groups
-    xg = x.float().view(m, groups, g)
-    sa = xg.abs().amax(dim=-1).clamp(min=1e-8) / 127.0  # [M, groups]
-    qa = torch.round(xg / sa.unsqueeze(-1)).clamp(-127, 127)
+    xb = x.float().view(m, groups // block, block * g)
+    sa = xb.abs().amax(dim=-1).clamp(min=1e-8) / 127.0  # [M, blocks]
+    qa = torch.round(xb / sa.unsqueeze(-1)).clamp(-127, 127).view(m, groups, g)
+    sa = sa.repeat_interleave(block, dim=1)  # [M, groups]
     qw = qweight.float().view(n, groups, g)
     out = torch.empty(m, n, dtype=torch.float64)
     rows = max(1, (1 << 24) // max(1, n * groups))
@@ -55,14 +58,18 @@ def reference_forward(
     bias: torch.Tensor | None,
     offsets: torch.Tensor | None = None,
     act_groups: bool = False,
+    act_block: int = 1,
 ) -> torch.Tensor:
     """offsets [N, groups]: w = s * q + offset per group, so y gains s_a * sum_g offset_g * sum_g(q_a).
-    act_groups: activations quantized per group (one scale per token and group), not per token."""
+    act_groups: activations quantized per group (one scale per token and group), not per token;
+    act_block groups per scale (a K-quant's super-block: quant/scale_codes.py activation_block)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n, groups = scales.shape
     g = k // groups
     if act_groups and groups > 1:
-        return _per_group_forward(x.reshape(-1, k), qweight, scales, bias, offsets).to(x.dtype).view(*lead, n)
+        return (
+            _per_group_forward(x.reshape(-1, k), qweight, scales, bias, offsets, act_block).to(x.dtype).view(*lead, n)
+        )
     qa, sa = quantize_activations(x.reshape(-1, k).float())
     m = qa.shape[0]
     chunk = next(g // f for f in range(1, g + 1) if g % f == 0 and g // f <= EXACT_CHUNK)

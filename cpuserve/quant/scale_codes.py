@@ -50,6 +50,19 @@ class ScaleCoding:
         return (n, groups // self.per) if part.endswith("super") else (n, groups)
 
 
+def activation_block(coding: ScaleCoding | None, group: int) -> int:
+    """Groups per activation scale of a linear with activations per group: a K-quant's super-block
+    (8-bit codes under factors, an integral mid; llama.cpp's Q8_K), so the x86 kernels fold each
+    super-block in int32 (linear_driver.h, GroupScales::fold_per: the same rule); 1 otherwise."""
+    if coding is None or coding.code not in ("uint8", "int8") or not coding.per or group * coding.per > 256:
+        return 1
+    if coding.offset_code is not None and (
+        coding.offset_code not in ("uint8", "int8") or not 0 <= coding.mid <= 128 or coding.mid != int(coding.mid)
+    ):
+        return 1
+    return coding.per
+
+
 def expand_scales(codes: torch.Tensor, supers: torch.Tensor | None, per: int) -> torch.Tensor:
     """fp32 scales [N, G] from codes [N, G] and factors [N, G / per] (or none)."""
     scales = codes.float()

@@ -39,21 +39,23 @@ const float* widen(const T* row, int64_t k, std::vector<float>& buf) {
   return buf.data();
 }
 
-// per_group: each group of a row quantized on its own (the row's quantizer over the group: one
-// scale and one sum per group), scales [M, groups]; else one scale per row, scales [M].
+// block > 0: each block of `block` groups of a row quantized on its own (the row's quantizer over
+// the block: one scale a block, one sum a group), scales [M, groups / block]; else one scale per
+// row, scales [M].
 template <typename T>
 void quantize_rows_of(const Variant& v, const Parallel& par, const T* x, int64_t m, int64_t k, int64_t group,
-                      Activations& act, bool with_sums, bool per_group) {
+                      Activations& act, bool with_sums, int64_t block) {
   const int64_t groups = group > 0 ? k / group : 0;
   par.for_range(0, m, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wide;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = widen(x + r * k, k, wide);
       int8_t* q = act.q.data() + r * k;
-      if (per_group) {
-        for (int64_t g = 0; g < groups; ++g)
-          v.quantize_row(row + g * group, group, group, q + g * group, act.scales.data() + r * groups + g,
-                         act.sums.data() + r * groups + g);
+      if (block > 0) {
+        const int64_t blocks = groups / block, inputs = block * group;
+        for (int64_t b = 0; b < blocks; ++b)
+          v.quantize_row(row + b * inputs, inputs, group, q + b * inputs, act.scales.data() + r * blocks + b,
+                         act.sums.data() + r * groups + b * block);
       } else {
         v.quantize_row(row, k, group, q, act.scales.data() + r, with_sums ? act.sums.data() + r * groups : nullptr);
       }
@@ -61,17 +63,40 @@ void quantize_rows_of(const Variant& v, const Parallel& par, const T* x, int64_t
   });
 }
 
-// Quantization of x, rows shared out: per token (group sums when group > 0) or per group.
+// Quantization of x, rows shared out: per token (group sums when group > 0) or, block > 0, per block
+// of `block` groups (then per_groups: the block scales repeated for each of its groups, [M, groups],
+// for the kernels that scale each group).
 void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in, int64_t group, Activations& act,
-                   bool per_group = false) {
+                   int64_t block = 0, bool per_groups = false) {
   count(v, kQuantize);
   const bool sums = group > 0;
-  if (per_group) act.scales.resize(in.m * (in.k / group));
+  const int64_t groups = group > 0 ? in.k / group : 0;
+  if (block > 0) act.scales.resize(in.m * groups);
   if (in.dtype == DType::F32)
-    return quantize_rows_of(v, par, static_cast<const float*>(in.x), in.m, in.k, group, act, sums, per_group);
-  if (in.dtype == DType::Bf16)
-    return quantize_rows_of(v, par, static_cast<const Bf16*>(in.x), in.m, in.k, group, act, sums, per_group);
-  quantize_rows_of(v, par, static_cast<const F16*>(in.x), in.m, in.k, group, act, sums, per_group);
+    quantize_rows_of(v, par, static_cast<const float*>(in.x), in.m, in.k, group, act, sums, block);
+  else if (in.dtype == DType::Bf16)
+    quantize_rows_of(v, par, static_cast<const Bf16*>(in.x), in.m, in.k, group, act, sums, block);
+  else
+    quantize_rows_of(v, par, static_cast<const F16*>(in.x), in.m, in.k, group, act, sums, block);
+  if (block <= 1 || !per_groups) return;
+  const int64_t blocks = groups / block;
+  for (int64_t i = in.m * groups - 1; i >= 0; --i)  // in place, from the end: [M, blocks] -> [M, groups]
+    act.scales[i] = act.scales[(i / groups) * blocks + (i % groups) / block];
+}
+
+// A grouped linear with activations per group (act_groups): the groups per activation block
+// (GroupScales::fold_per: a K-quant's super-block, as llama.cpp's Q8_K; else 1), and whether this
+// variant folds them in int32 (its panel kernels read the codes in place: LinearArgs::sa_per).
+struct ActBlocks {
+  int64_t block = 1;
+  bool fold = false;
+};
+ActBlocks act_blocks(const GroupScales& s, int64_t group, bool act_groups, bool panels) {
+  ActBlocks ab;
+  if (!act_groups) return ab;
+  const int64_t per = s.fold_per(group);
+  if (per > 0) ab = {per, panels};
+  return ab;
 }
 
 // Output columns [c0, c1) += sa * sum_g offset[g, c] * sums[r, g]: the per-group additive term of
@@ -170,6 +195,11 @@ inline const float* shifted(const float* base, int64_t shift) {
 void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n, LinearKernel kernel,
                   const LinearArgs& args, const GroupScales& gs, bool grouped) {
   const bool coded = gs.scales.coded() || gs.offsets.coded();
+  if (args.sa_per != 0) {  // the integer fold: codes read in place, any M
+    LinearArgs a = args;
+    a.direct = &gs;
+    return par.for_range(0, panel_count(n), 1, [&](int64_t begin, int64_t end) { kernel(a, begin, end); });
+  }
   if ((coded || args.offsets != nullptr) && panels && grouped && v.direct_rows > 0 && args.m <= v.direct_rows) {
     LinearArgs a = args;
     a.direct = &gs;
@@ -222,9 +252,10 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
   const bool has_offsets = s.offsets.values != nullptr;
   // uint8 w + 128 (OffsetPanels): the activation sums of each group correct it; offsets need them too.
   const bool sums = v.int8 == Int8Layout::OffsetPanels || has_offsets || act_groups;
+  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int8));
   Activations& act = scratch(in.m, in.k, groups);
-  quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups);
-  const LinearArgs args{act.q.data(),
+  quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups ? ab.block : 0, !ab.fold);
+  LinearArgs args{act.q.data(),
                         act.scales.data(),
                         act.sums.data(),
                         in.m,
@@ -235,7 +266,8 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                         n,
                         out,
                         static_cast<const float*>(s.offsets.values),
-                        act_groups};
+                        act_groups && !ab.fold};
+  if (ab.fold) args.sa_per = ab.block;
   over_outputs(par, v, is_panels(v.int8), n, v.w8a8, args, s, groups > 1);
 }
 
@@ -243,9 +275,10 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                  int64_t groups, int64_t n, float* out, bool act_groups) {
   count(v, kW4A8);
   act_groups = act_groups && groups > 1;
+  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int4));
   Activations& act = scratch(in.m, in.k, groups);
-  quantize_rows(v, par, in, in.k / groups, act, act_groups);
-  const LinearArgs args{act.q.data(),
+  quantize_rows(v, par, in, in.k / groups, act, act_groups ? ab.block : 0, !ab.fold);
+  LinearArgs args{act.q.data(),
                         act.scales.data(),
                         act.sums.data(),
                         in.m,
@@ -256,7 +289,8 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                         n,
                         out,
                         static_cast<const float*>(s.offsets.values),
-                        act_groups};
+                        act_groups && !ab.fold};
+  if (ab.fold) args.sa_per = ab.block;
   over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args, s, true);
 }
 

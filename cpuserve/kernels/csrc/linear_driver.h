@@ -48,6 +48,22 @@ struct GroupValues {
 struct GroupScales {
   GroupValues scales, offsets;
   float mid = 0.f;
+  // Groups per activation block (> 0) when these are a K-quant's integer codes (8-bit codes under a
+  // factor per super-block, offsets the same or none, an integral mid): activations are then quantized
+  // per super-block (llama.cpp's Q8_K), and the panel kernels fold each super-block's integer sums
+  // in int32 (sum_g code_g * dot_g, sum_g ocode_g * gsum_g: group * per <= 256 keeps them below
+  // 2^31 for any 8-bit codes) with one fma per super-block, not one float fold per group. 0: none.
+  int64_t fold_per(int64_t group) const {
+    auto integer = [](Code c) { return c == Code::U8 || c == Code::I8; };
+    if (!integer(scales.code) || scales.super == nullptr || scales.per < 1 || group * scales.per > 256) return 0;
+    if (offsets.values != nullptr &&
+        (!integer(offsets.code) || offsets.super == nullptr || offsets.per != scales.per || !(mid >= 0.f) ||
+         mid > 128.f || mid != float(int(mid))))
+      return 0;
+    return scales.per;
+  }
+  // The integer the folded sums add per activation of a group: mid with offsets, else 0.
+  int32_t fold_mid() const { return offsets.values != nullptr ? int32_t(mid) : 0; }
 };
 
 // W8A8: w in the variant's int8 layout, scales [N, groups] in the layout's order (groups = 1:

@@ -8,10 +8,41 @@
 #include <cmath>
 #include <cstdint>
 
+#include "linear_driver.h"
 #include "panel_layout.h"
+#include "scale_codes.h"
 #include "variant.h"
 
 namespace cpk {
+
+// The integer fold (LinearArgs::sa_per: a K-quant's integer codes, read where they are stored,
+// activations scaled per super-block): output column c of panel p for token r. dot(g): group g's
+// exact sum of the stored weight bytes times the activations; layout_offset: what those bytes add
+// to each weight (128, 8 or 0), replaced by the fold's mid. Per super-block b, in int32 (in range:
+// GroupScales::fold_per), I = sum_g code_g * acc_g and M = sum_g ocode_g * gsum_g; then
+// t = float(I) * S_b, t = fma(float(M), O_b, t), y = fma(t, sa_b, y): the SIMD lanes' operations.
+template <typename Dot>
+inline float fold_output(const LinearArgs& a, int64_t p, int64_t width, int64_t c, int64_t r, int32_t layout_offset,
+                         const Dot& dot) {
+  const GroupScales& gs = *a.direct;
+  const scale_codes::PanelAt at = scale_codes::panel_at(gs, a.groups, p);
+  const bool offsets = gs.offsets.values != nullptr;
+  const int32_t lift = gs.fold_mid() - layout_offset;
+  const int64_t per = a.sa_per, blocks = a.groups / per;
+  const int32_t* sums = a.sums + r * a.groups;
+  float y = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t total = 0, mins = 0;
+    for (int64_t g = b * per; g < (b + 1) * per; ++g) {
+      total += scale_codes::int_code(gs.scales, at.values + g * width + c) * (dot(g) + lift * sums[g]);
+      if (offsets) mins += scale_codes::int_code(gs.offsets, at.values + g * width + c) * sums[g];
+    }
+    float t = float(total) * gs.scales.super[at.scale_supers + b * width + c];
+    if (offsets) t = std::fma(float(mins), gs.offsets.super[at.offset_supers + b * width + c], t);
+    y = std::fma(t, a.sa[r * blocks + b], y);
+  }
+  return y;
+}
 
 // W8A8 panels [p0, p1); Offset: uint8 w + 128 (sums: per-token per-group sums), else int8 w. One
 // group: (float(dot) * sw[c]) * sa[r]; groups: each group's int32 folded in with one fma in group
@@ -27,14 +58,22 @@ inline void w8a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
     for (int64_t r = 0; r < a.m; ++r) {
       const int8_t* x = a.qa + r * k;
       for (int64_t c = 0; c < width; ++c) {
-        float y = 0.f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t acc = Offset ? -128 * a.sums[r * groups + g] : 0;
+        auto dot = [&](int64_t g) {  // the stored bytes times the activations
+          int32_t acc = 0;
           for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
             const uint8_t* step = panel_step(w, kq, n, p, j) + 4 * c;
             for (int64_t i = 0; i < 4 && 4 * j + i < k; ++i)  // padded weights are 0: nothing to add
               acc += (Offset ? int32_t(step[i]) : int32_t(int8_t(step[i]))) * int32_t(x[4 * j + i]);
           }
+          return acc;
+        };
+        if (a.sa_per != 0) {
+          a.out[r * n + c0 + c] = fold_output(a, p, width, c, r, Offset ? 128 : 0, dot);
+          continue;
+        }
+        float y = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int32_t acc = (Offset ? -128 * a.sums[r * groups + g] : 0) + dot(g);
           if (groups == 1)
             y = float(acc) * sp[c];
           else
@@ -56,6 +95,18 @@ inline void w4a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
     for (int64_t r = 0; r < a.m; ++r) {
       const int8_t* x = a.qa + r * k;
       for (int64_t c = 0; c < width; ++c) {
+        if (a.sa_per != 0) {
+          a.out[r * n + c0 + c] = fold_output(a, p, width, c, r, 8, [&](int64_t g) {
+            int32_t acc = 0;  // the stored nibbles times the activations
+            for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
+              const uint8_t* step = panel_step(w, k / 2, n, p, j) + 4 * c;
+              for (int64_t i = 0; i < 4; ++i)
+                acc += int32_t(step[i] & 0x0F) * x[8 * j + i] + int32_t(step[i] >> 4) * x[8 * j + 4 + i];
+            }
+            return acc;
+          });
+          continue;
+        }
         float y = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           int32_t acc = -8 * a.sums[r * groups + g];

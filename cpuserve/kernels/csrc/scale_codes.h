@@ -104,6 +104,27 @@ inline void narrow_group(const GroupScales& gs, const PanelAt& at, int64_t w, in
   }
 }
 
+// The integer fold (GroupScales::fold_per, LinearArgs::sa_per): code i of an 8-bit GroupValues.
+inline int32_t int_code(const GroupValues& gv, int64_t i) {
+  return gv.code == Code::U8 ? int32_t(static_cast<const uint8_t*>(gv.values)[i])
+                             : int32_t(static_cast<const int8_t*>(gv.values)[i]);
+}
+
+// Group g's integer codes (scales sc, offsets oc if any) and super-block b's factors (S, O) of the
+// panel at `at` with w columns, zero past w: the narrow last panel's, and the twin's, reads.
+inline void fold_codes(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t g, int32_t* sc, int32_t* oc) {
+  for (int64_t c = 0; c < kPanel; ++c) {
+    sc[c] = c < w ? int_code(gs.scales, at.values + g * w + c) : 0;
+    oc[c] = c < w && gs.offsets.values != nullptr ? int_code(gs.offsets, at.values + g * w + c) : 0;
+  }
+}
+inline void fold_supers(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t b, float* S, float* O) {
+  for (int64_t c = 0; c < kPanel; ++c) {
+    S[c] = c < w ? gs.scales.super[at.scale_supers + b * w + c] : 0.f;
+    O[c] = c < w && gs.offsets.values != nullptr ? gs.offsets.super[at.offset_supers + b * w + c] : 0.f;
+  }
+}
+
 #if defined(__x86_64__)
 #define CPK_CODES_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #define CPK_CODES_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -210,6 +231,16 @@ CPK_CODES_AVX512 inline void group16(const GroupScales& gs, const PanelAt& at, i
   o = widen16(ov.code, ov.values, i);
   if (ov.super != nullptr) o = _mm512_mul_ps(_mm512_loadu_ps(ov.super + at.offset_supers + ob * kPanel), o);
   if (ov.coded()) o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(gs.mid), s), o);
+}
+
+// The integer fold's reads of a full panel: group g's 16 codes as int32 lanes, super-block b's factors.
+CPK_CODES_AVX512 inline __m512i int_codes16(const GroupValues& gv, int64_t i) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(gv.values) + i));
+  return gv.code == Code::U8 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
+}
+CPK_CODES_AVX2 inline __m256i int_codes8(const GroupValues& gv, int64_t i) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(gv.values) + i));
+  return gv.code == Code::U8 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
 }
 
 // The same for half h (columns 8h .. 8h + 7) of a full panel: expand_panel_avx2's products.

@@ -47,6 +47,11 @@ struct LinearArgs {
   // offsets where they are stored, coded or not, and adds the offsets' term itself; sw and offsets
   // are then unused. A decode step's expanded copies and second pass cost as much as its weights.
   const GroupScales* direct = nullptr;
+  // Set (with direct, by the driver on the panel layouts) for a K-quant's integer codes
+  // (GroupScales::fold_per): sa is [M, groups / sa_per], one activation scale per super-block of
+  // sa_per groups, and the grouped kernels fold each super-block's integer sums: out =
+  // sum_b sa_b * (S_b * sum_g code_g * (dot_g + mid * gsum_g) + O_b * sum_g ocode_g * gsum_g).
+  int64_t sa_per = 0;
 };
 
 // One unquantized matmul: x [M, K] fp32, w float panels [panels, K, 16] of wtype (float_panels.h),

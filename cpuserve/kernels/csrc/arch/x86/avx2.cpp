@@ -49,18 +49,24 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
 }
 
 // W8A8 in groups (groups > 1): s8_panel_block's sign trick per group, float sums in memory.
-template <int R, int P, bool PG, typename Groups>
+template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelRun& run, const int8_t* qa, const int32_t* gs, int64_t k,
                                                                     int64_t groups, const Groups& src, const float* sa,
                                                                     float* out, int64_t n) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quads = k / groups / 4;
   alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
+  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
+  if constexpr (A == kFold) {
+    std::memset(iacc, 0, sizeof iacc);
+    std::memset(macc, 0, sizeof macc);
+  }
+  FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 0) * gs[r * groups + g]);
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
       __m256i a[R];
       for (int r = 0; r < R; ++r) a[r] = broadcast4_ymm(qa + r * k + 4 * j);
@@ -77,12 +83,12 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
         ws.advance(i);
       }
     }
-    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
-template <int R, int P, bool PG, typename Groups>
+template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const Groups& src, const float* sa, float* out,
@@ -92,11 +98,17 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
   // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
   alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
+  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
+  if constexpr (A == kFold) {
+    std::memset(iacc, 0, sizeof iacc);
+    std::memset(macc, 0, sizeof macc);
+  }
+  FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-8 * gs[r * groups + g]);
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8) * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
       __m256i alo[R], ahi[R];
       for (int r = 0; r < R; ++r) {
@@ -115,9 +127,9 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
         ws.advance(i);
       }
     }
-    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
 struct S8Panels {
@@ -128,13 +140,8 @@ struct S8Panels {
     if (a.groups == 1)
       s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
     else
-      with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
-        if (a.sa_groups)
-          s8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                     a.out + r * a.n + run.c0, a.n);
-        else
-          s8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                      a.out + r * a.n + run.c0, a.n);
+      with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+        s8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
       });
   }
 };
@@ -144,13 +151,8 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
-    with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
-      if (a.sa_groups)
-        u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                   a.out + r * a.n + run.c0, a.n);
-      else
-        u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                    a.out + r * a.n + run.c0, a.n);
+    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+      u4_panel_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
     });
   }
 };

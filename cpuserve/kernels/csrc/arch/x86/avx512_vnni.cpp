@@ -125,6 +125,82 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void store_group(
   }
 }
 
+// The integer fold (Acts kFold): group g's int32 sums acc times its codes into the super-block's
+// integer sums iacc (and the offsets' codes times the group sums into macc); when g closes super-block
+// b, t = float(iacc) * S (+ float(macc) * O, fused) and facc += t * sa_b (fused), then both restart.
+// The panel twin's fold_output, lane for lane.
+template <int R, int P>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
+    const PanelRun& run, const __m512i (&acc)[R][P], const StoredGroups& src, const int32_t* gs, int64_t groups,
+    int64_t g, FoldAt& at, const float* sa, __m512i (&iacc)[R][P], __m512i (&macc)[R][P], __m512 (&facc)[R][P]) {
+  for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, at.b, at.b);
+  for (int i = 0; i < P; ++i) {
+    __m512i sc, oc = _mm512_setzero_si512();
+    if (run.width[i] == kPanel) {
+      sc = scale_codes::int_codes16(src.gs.scales, src.at[i].values + g * kPanel);
+      if (src.offsets) oc = scale_codes::int_codes16(src.gs.offsets, src.at[i].values + g * kPanel);
+    } else {
+      int32_t s16[kPanel], o16[kPanel];
+      scale_codes::fold_codes(src.gs, src.at[i], run.width[i], g, s16, o16);
+      sc = _mm512_loadu_si512(s16);
+      oc = _mm512_loadu_si512(o16);
+    }
+    for (int r = 0; r < R; ++r) {
+      iacc[r][i] = _mm512_add_epi32(iacc[r][i], _mm512_mullo_epi32(acc[r][i], sc));
+      if (src.offsets) macc[r][i] = _mm512_add_epi32(macc[r][i], _mm512_mullo_epi32(oc, _mm512_set1_epi32(gs[r * groups + g])));
+    }
+  }
+  const int64_t b = at.b;
+  if (!at.closes(src.per)) return;
+  ++at.b;
+  const int64_t blocks = groups / src.per;
+  for (int i = 0; i < P; ++i) {
+    __m512 S, O = _mm512_setzero_ps();
+    if (run.width[i] == kPanel) {
+      S = _mm512_loadu_ps(src.gs.scales.super + src.at[i].scale_supers + b * kPanel);
+      if (src.offsets) O = _mm512_loadu_ps(src.gs.offsets.super + src.at[i].offset_supers + b * kPanel);
+    } else {
+      float s16[kPanel], o16[kPanel];
+      scale_codes::fold_supers(src.gs, src.at[i], run.width[i], b, s16, o16);
+      S = _mm512_loadu_ps(s16);
+      O = _mm512_loadu_ps(o16);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][i]), S);
+      if (src.offsets) t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(macc[r][i]), O, t);
+      facc[r][i] = _mm512_fmadd_ps(t, _mm512_set1_ps(sa[r * blocks + b]), facc[r][i]);
+      iacc[r][i] = macc[r][i] = _mm512_setzero_si512();
+    }
+  }
+}
+
+// A grouped block's side per group (A: Acts): the float fold, or the integer fold.
+template <int R, int P, int A, typename Groups>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void end_group(
+    const PanelRun& run, const __m512i (&acc)[R][P], const Groups& src, const int32_t* gs, int64_t groups, int64_t g,
+    FoldAt& at, const float* sa, __m512i (&iacc)[R][P], __m512i (&macc)[R][P], __m512 (&facc)[R][P],
+    __m512 (&oacc)[R][P]) {
+  if constexpr (A == kFold) {
+    if constexpr (Groups::kStored) fold_int<R, P>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc);
+  } else {
+    fold_group<R, P, A == kPerGroup>(run, acc, src, gs, groups, g, sa, facc, oacc);
+  }
+}
+
+// The end of a grouped block: the sums stored (the fold's already scaled and offset).
+template <int R, int P, int A, typename Groups>
+__attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void end_block(const PanelRun& run,
+                                                                             const Groups& src,
+                                                                             const __m512 (&facc)[R][P],
+                                                                             const __m512 (&oacc)[R][P],
+                                                                             const float* sa, float* out, int64_t n) {
+  if constexpr (A == kFold) {
+    for (int r = 0; r < R; ++r) store_panels<P>(out + r * n, facc[r], run.store_last);
+  } else {
+    store_group<R, P, A == kPerGroup>(run, src, facc, oacc, sa, out, n);
+  }
+}
+
 // W8A8: R rows (qa [R, K], row sums asum) x P panels -> out rows (stride n), scaled by column scales sw
 // (of the run's columns) and row scales sa: (float(dot) * sw[c]) * sa[r], the twin's epilogue.
 template <int R, int P>
@@ -157,20 +233,26 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
 
 // W8A8 in groups (groups > 1: K / groups inputs each, whole quads): R rows (group sums gs [R, groups])
 // x P panels, scales from src; out = sa[r] * sum_g s_g * dot_g, the twin's fmas.
-template <int R, int P, bool PG, typename Groups>
+template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
   const int64_t quads = k / groups / 4;  // quads per group
+  const int32_t start = acc_start<A>(src, 128);
   __m512 facc[R][P], oacc[R][P];
+  __m512i iacc[R][P], macc[R][P];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < P; ++i) facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
+    for (int i = 0; i < P; ++i) {
+      facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
+      iacc[r][i] = macc[r][i] = _mm512_setzero_si512();
+    }
+  FoldAt at(A == kFold ? fold_per(src) : 1);
   Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-128 * gs[r * groups + g]);
+      for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(start * gs[r * groups + g]);
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
       __m512i a[R];
       for (int r = 0; r < R; ++r) a[r] = broadcast4(qa + r * k + 4 * j);
@@ -179,28 +261,34 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
         for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], v, a[r]);
       }
     }
-    fold_group<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    end_group<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
   }
-  store_group<R, P, PG>(run, src, facc, oacc, sa, out, n);
+  end_block<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
 // W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels, scales from src. out = sa[r] *
 // sum_g s_g * dot_g.
-template <int R, int P, bool PG, typename Groups>
+template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;  // 8-input steps per group
+  const int32_t start = acc_start<A>(src, 8);
   __m512 facc[R][P], oacc[R][P];
+  __m512i iacc[R][P], macc[R][P];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < P; ++i) facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
+    for (int i = 0; i < P; ++i) {
+      facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
+      iacc[r][i] = macc[r][i] = _mm512_setzero_si512();
+    }
+  FoldAt at(A == kFold ? fold_per(src) : 1);
   Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-8 * gs[r * groups + g]);
+      for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(start * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
       __m512i alo[R], ahi[R];
       for (int r = 0; r < R; ++r) {
@@ -217,9 +305,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
         }
       }
     }
-    fold_group<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    end_group<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
   }
-  store_group<R, P, PG>(run, src, facc, oacc, sa, out, n);
+  end_block<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
 struct U8Panels {
@@ -231,13 +319,9 @@ struct U8Panels {
       u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
                            a.n);
     else
-      with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
-        if (a.sa_groups)
-          u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                     a.out + r * a.n + run.c0, a.n);
-        else
-          u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                      a.out + r * a.n + run.c0, a.n);
+      with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+        u8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src,
+                                                    sa, a.out + r * a.n + run.c0, a.n);
       });
   }
 };
@@ -247,13 +331,9 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
-    with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
-      if (a.sa_groups)
-        u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                   a.out + r * a.n + run.c0, a.n);
-      else
-        u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                    a.out + r * a.n + run.c0, a.n);
+    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+      u4_panel_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                                  a.out + r * a.n + run.c0, a.n);
     });
   }
 };

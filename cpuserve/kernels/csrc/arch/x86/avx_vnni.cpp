@@ -40,17 +40,23 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const Pa
 }
 
 // W8A8 in groups (groups > 1), avx512_vnni's u8_group_block on two halves; float sums in memory.
-template <int R, int P, bool PG, typename Groups>
+template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
                                                                         const Groups& src, const float* sa, float* out,
                                                                         int64_t n) {
   const int64_t quads = k / groups / 4;
   alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
+  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
+  if constexpr (A == kFold) {
+    std::memset(iacc, 0, sizeof iacc);
+    std::memset(macc, 0, sizeof macc);
+  }
+  FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-128 * gs[r * groups + g]);
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 128) * gs[r * groups + g]);
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
       for (int i = 0; i < P; ++i)
         for (int h = 0; h < 2; ++h) {
@@ -59,23 +65,29 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
           for (int r = 0; r < R; ++r)
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
         }
-    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
-template <int R, int P, bool PG, typename Groups>
+template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
                                                                         const Groups& src, const float* sa, float* out,
                                                                         int64_t n) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;
-  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};  // in memory, as AVX2's: the registers hold the integers
+  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
+  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
+  if constexpr (A == kFold) {
+    std::memset(iacc, 0, sizeof iacc);
+    std::memset(macc, 0, sizeof macc);
+  }
+  FoldAt at(A == kFold ? fold_per(src) : 1);  // in memory, as AVX2's: the registers hold the integers
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-8 * gs[r * groups + g]);
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8) * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
       for (int i = 0; i < P; ++i)
         for (int h = 0; h < 2; ++h) {
@@ -87,9 +99,9 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));
           }
         }
-    fold_group_halves<R, P, PG>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
   }
-  store_group_halves<R, P, PG>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
 struct U8Panels {
@@ -101,13 +113,8 @@ struct U8Panels {
       u8_panel_block<R, P>(run, a.qa + r * a.k, a.sums + r, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0,
                            a.n);
     else
-      with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
-        if (a.sa_groups)
-          u8_group_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                     a.out + r * a.n + run.c0, a.n);
-        else
-          u8_group_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                      a.out + r * a.n + run.c0, a.n);
+      with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+        u8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
       });
   }
 };
@@ -117,13 +124,8 @@ struct U4Panels {
   const LinearArgs& a;
   template <int R, int P>
   __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
-    with_groups(a, run, P, r, [&](const auto& src, const float* sa) {
-      if (a.sa_groups)
-        u4_panel_block<R, P, true>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                   a.out + r * a.n + run.c0, a.n);
-      else
-        u4_panel_block<R, P, false>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                    a.out + r * a.n + run.c0, a.n);
+    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+      u4_panel_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
     });
   }
 };

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "panel_runs.h"
 
@@ -143,6 +144,88 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void store_group_
         }
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h, v);
       }
+}
+
+// The integer fold (Acts kFold) on halves, avx512_vnni's fold_int: the super-block's integer sums
+// in memory beside the float sums (touched once per group; the registers hold the accumulators).
+template <int R, int P>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_halves(
+    const PanelRun& run, const __m256i (&acc)[R][P][2], const StoredGroups& src, const int32_t* gs, int64_t groups,
+    int64_t g, FoldAt& at, const float* sa, int32_t (&iacc)[R][P][2][8], int32_t (&macc)[R][P][2][8],
+    float (&facc)[R][P][2][8]) {
+  for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, at.b, at.b);
+  for (int i = 0; i < P; ++i) {
+    alignas(32) int32_t s16[kPanel], o16[kPanel];
+    const bool full = run.width[i] == kPanel;
+    if (!full) scale_codes::fold_codes(src.gs, src.at[i], run.width[i], g, s16, o16);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = src.at[i].values + g * kPanel + 8 * h;
+      const __m256i sc = full ? scale_codes::int_codes8(src.gs.scales, c) : _mm256_load_si256(reinterpret_cast<const __m256i*>(s16 + 8 * h));
+      __m256i oc = _mm256_setzero_si256();
+      if (src.offsets) oc = full ? scale_codes::int_codes8(src.gs.offsets, c) : _mm256_load_si256(reinterpret_cast<const __m256i*>(o16 + 8 * h));
+      for (int r = 0; r < R; ++r) {
+        __m256i* ia = reinterpret_cast<__m256i*>(iacc[r][i][h]);
+        _mm256_store_si256(ia, _mm256_add_epi32(_mm256_load_si256(ia), _mm256_mullo_epi32(acc[r][i][h], sc)));
+        if (!src.offsets) continue;
+        __m256i* ma = reinterpret_cast<__m256i*>(macc[r][i][h]);
+        _mm256_store_si256(ma, _mm256_add_epi32(_mm256_load_si256(ma),
+                                                _mm256_mullo_epi32(oc, _mm256_set1_epi32(gs[r * groups + g]))));
+      }
+    }
+  }
+  const int64_t b = at.b;
+  if (!at.closes(src.per)) return;
+  ++at.b;
+  const int64_t blocks = groups / src.per;
+  for (int i = 0; i < P; ++i) {
+    alignas(32) float s16[kPanel], o16[kPanel];
+    const bool full = run.width[i] == kPanel;
+    if (!full) scale_codes::fold_supers(src.gs, src.at[i], run.width[i], b, s16, o16);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 S = full ? _mm256_loadu_ps(src.gs.scales.super + src.at[i].scale_supers + b * kPanel + 8 * h)
+                            : _mm256_load_ps(s16 + 8 * h);
+      __m256 O = _mm256_setzero_ps();
+      if (src.offsets)
+        O = full ? _mm256_loadu_ps(src.gs.offsets.super + src.at[i].offset_supers + b * kPanel + 8 * h)
+                 : _mm256_load_ps(o16 + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        __m256i* ia = reinterpret_cast<__m256i*>(iacc[r][i][h]);
+        __m256i* ma = reinterpret_cast<__m256i*>(macc[r][i][h]);
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256(ia)), S);
+        if (src.offsets) t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(ma)), O, t);
+        _mm256_store_ps(facc[r][i][h], _mm256_fmadd_ps(t, _mm256_set1_ps(sa[r * blocks + b]), _mm256_load_ps(facc[r][i][h])));
+        _mm256_store_si256(ia, _mm256_setzero_si256());
+        _mm256_store_si256(ma, _mm256_setzero_si256());
+      }
+    }
+  }
+}
+
+// A grouped block's side per group (A: Acts): the float fold, or the integer fold.
+template <int R, int P, int A, typename Groups>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void end_group_halves(
+    const PanelRun& run, const __m256i (&acc)[R][P][2], const Groups& src, const int32_t* gs, int64_t groups,
+    int64_t g, FoldAt& at, const float* sa, int32_t (&iacc)[R][P][2][8], int32_t (&macc)[R][P][2][8],
+    float (&facc)[R][P][2][8], float (&oacc)[R][P][2][8]) {
+  if constexpr (A == kFold) {
+    if constexpr (Groups::kStored) fold_int_halves<R, P>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc);
+  } else {
+    fold_group_halves<R, P, A == kPerGroup>(run, acc, src, gs, groups, g, sa, facc, oacc);
+  }
+}
+
+// The end of a grouped block on halves: the sums stored (the fold's already scaled and offset).
+template <int R, int P, int A, typename Groups>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void end_block_halves(
+    const PanelRun& run, const Groups& src, const float (&facc)[R][P][2][8], const float (&oacc)[R][P][2][8],
+    const float* sa, float* out, int64_t n) {
+  if constexpr (A == kFold) {
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i)
+        for (int h = 0; h < 2; ++h) store_half(run, i, h, out + r * n + i * kPanel + 8 * h, _mm256_load_ps(facc[r][i][h]));
+  } else {
+    store_group_halves<R, P, A == kPerGroup>(run, src, facc, oacc, sa, out, n);
+  }
 }
 
 }  // namespace cpk

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../linear_driver.h"
 #include "../../panel_layout.h"
@@ -108,6 +109,39 @@ struct StoredGroups {
   bool offsets;
   scale_codes::PanelAt next[4];  // the same panel of the next run (prefetched while decoding)
   int prefetch = 0;              // how many of next are panels of the weight (0 outside decode)
+  int64_t per = 0;               // the integer fold's groups per super-block (LinearArgs::sa_per)
+  int32_t mid = 0;               // its lift: GroupScales::fold_mid
+};
+
+// How a grouped block scales the activations: per token, per group (LinearArgs::sa_groups), or per
+// super-block with the integer fold (LinearArgs::sa_per, stored codes only).
+enum Acts { kPerToken, kPerGroup, kFold };
+
+// Groups per super-block of a block's fold (1 outside it).
+template <typename Groups>
+__attribute__((always_inline)) inline int64_t fold_per(const Groups& src) {
+  if constexpr (Groups::kStored) return src.per > 0 ? src.per : 1;
+  return 1;
+}
+
+// The integer the accumulators of a group start from, per activation of the group: minus the
+// layout's offset, plus the fold's mid (the fold sums code * (dot + mid * gsum)).
+template <int A, typename Groups>
+__attribute__((always_inline)) inline int32_t acc_start(const Groups& src, int32_t layout_offset) {
+  if constexpr (A == kFold && Groups::kStored) return src.mid - layout_offset;
+  return -layout_offset;
+}
+
+// The integer fold's place in the super-blocks: the current block b, groups left in it.
+struct FoldAt {
+  int64_t b = 0, left;
+  explicit FoldAt(int64_t per) : left(per) {}
+  // After a group: whether it closed its super-block (then the next block starts).
+  bool closes(int64_t per) {
+    if (--left != 0) return false;
+    left = per;
+    return true;
+  }
 };
 
 // A grouped block's call with its scale source: stored (LinearArgs::direct) or the driver's fp32 in
@@ -118,6 +152,8 @@ __attribute__((always_inline)) inline void with_groups(const LinearArgs& a, cons
   const float* sa = a.sa_groups ? a.sa + r * a.groups : a.sa + r;
   if (a.direct == nullptr) return block(PlainGroups{a.sw + run.c0 * a.groups}, sa);
   StoredGroups src{*a.direct, {}, a.direct->offsets.values != nullptr};
+  src.per = a.sa_per;
+  src.mid = a.direct->fold_mid();
   const int64_t first = run.c0 / kPanel, panels = panel_count(a.n);
   for (int i = 0; i < np; ++i) {
     src.at[i] = scale_codes::panel_at(*a.direct, a.groups, first + i);
@@ -127,6 +163,20 @@ __attribute__((always_inline)) inline void with_groups(const LinearArgs& a, cons
     }
   }
   block(src, sa);
+}
+
+// with_groups and the activation scales' kind: block(src, sa, std::integral_constant<int, Acts>).
+// The fold's sa: the rows' block scales [R, groups / sa_per].
+template <typename Block>
+__attribute__((always_inline)) inline void with_acts(const LinearArgs& a, const PanelRun& run, int np, int64_t r,
+                                                   const Block& block) {
+  with_groups(a, run, np, r, [&](const auto& src, const float* sa) {
+    if constexpr (std::decay_t<decltype(src)>::kStored) {
+      if (a.sa_per != 0) return block(src, a.sa + r * (a.groups / a.sa_per), std::integral_constant<int, kFold>{});
+    }
+    if (a.sa_groups) return block(src, sa, std::integral_constant<int, kPerGroup>{});
+    block(src, sa, std::integral_constant<int, kPerToken>{});
+  });
 }
 
 }  // namespace cpk
