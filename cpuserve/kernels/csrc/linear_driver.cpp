@@ -1,6 +1,11 @@
 #include "linear_driver.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -84,18 +89,25 @@ void quantize_rows(const Variant& v, const Parallel& par, const LinearInput& in,
     act.scales[i] = act.scales[(i / groups) * blocks + (i % groups) / block];
 }
 
+// Rows up to which the panel layouts fold a K-quant in int32 (decode and small decode batches). In
+// prefill blocks (3 rows x 4 panels) the fold's integer multiplies (vpmulld: two uops on the port
+// the dot products use) cost more than the per-group float fold over expanded scales, whose
+// offsets go in the driver's own pass: 2B Q4_K_M pp512 -10% with it (docs/benchmarks.md).
+constexpr int64_t kFoldRows = 16;
+
 // A grouped linear with activations per group (act_groups): the groups per activation block
 // (GroupScales::fold_per: a K-quant's super-block, as llama.cpp's Q8_K; else 1), and whether this
-// variant folds them in int32 (its panel kernels read the codes in place: LinearArgs::sa_per).
+// call folds them in int32 (panel kernels reading the codes in place: LinearArgs::sa_per). The same
+// rule for a variant and its twin, so they stay bit-identical.
 struct ActBlocks {
   int64_t block = 1;
   bool fold = false;
 };
-ActBlocks act_blocks(const GroupScales& s, int64_t group, bool act_groups, bool panels) {
+ActBlocks act_blocks(const GroupScales& s, int64_t group, bool act_groups, bool panels, int64_t m) {
   ActBlocks ab;
   if (!act_groups) return ab;
   const int64_t per = s.fold_per(group);
-  if (per > 0) ab = {per, panels};
+  if (per > 0) ab = {per, panels && m <= kFoldRows};
   return ab;
 }
 
@@ -103,69 +115,120 @@ ActBlocks act_blocks(const GroupScales& s, int64_t group, bool act_groups, bool 
 // w = s * q + offset, in float, after the kernel. Offsets in column chunks (offsets_index): the 16
 // columns of a chunk for every group in one contiguous run, so a chunk's pass streams its offsets
 // (group-major [G, N] made it read G rows n floats apart, a stream per group: 3x the int4 kernel's
-// time per byte at one token). 16 neighbouring columns as vector lanes (GCC/Clang vector
-// extensions): each column's sum keeps its order over g, one mul, mul and add a group
-// (-ffp-contract=off), so every vector width gives the same bits as one column at a time.
+// time per byte at one token). 16 neighbouring columns as vector lanes: each column's sum keeps its
+// order over g, one fma a group (offsets_weight), so every vector width gives the same bits as one
+// column at a time.
 constexpr int kColumns = kOffsetColumns;
+
+// What group g's offsets are multiplied by for token r: its activations' sum, times their scale when
+// activations are scaled per group (one rounding, then one fma a group: the kernels' in-register
+// offsets do the same, panel_runs.h StoredGroups).
+inline float offsets_weight(const LinearArgs& a, int64_t r, int64_t g) {
+  const float gsum = float(a.sums[r * a.groups + g]);
+  return a.sa_groups ? gsum * a.sa[r * a.groups + g] : gsum;
+}
 
 // One column's term for token r, the same operations as a vector lane.
 inline void offsets_column(const LinearArgs& a, int64_t r, int64_t c) {
   const int32_t* gs = a.sums + r * a.groups;
   const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
   float term = 0.f;
-  for (int64_t g = 0; g < a.groups; ++g) {
-    float t = a.offsets[offsets_index(a.n, a.groups, g, c)] * float(gs[g]);
-    if (sa != nullptr) t *= sa[g];
-    term += t;
-  }
+  for (int64_t g = 0; g < a.groups; ++g)
+    term = std::fma(a.offsets[offsets_index(a.n, a.groups, g, c)], offsets_weight(a, r, g), term);
   a.out[r * a.n + c] += sa != nullptr ? term : term * a.sa[r];
 }
 
-template <int L>  // floats a vector: 4 (SSE2, NEON), 8 (AVX2), 16 (AVX-512)
-__attribute__((always_inline)) inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
-  typedef float Lanes __attribute__((vector_size(L * sizeof(float))));
-  constexpr int kVectors = kColumns / L;
-  const int64_t full = a.n / kColumns * kColumns;
-  for (int64_t r = 0; r < a.m; ++r) {
-    const int32_t* gs = a.sums + r * a.groups;
-    const float* sa = a.sa_groups ? a.sa + r * a.groups : nullptr;
-    float* out = a.out + r * a.n;
-    int64_t c = c0;
-    // A range that starts inside a chunk (columns shared out by threads, not panels): its columns up
-    // to the chunk's end one at a time, then whole chunks, then the rest.
-    const int64_t aligned = std::min(c1, (c0 + kColumns - 1) / kColumns * kColumns);
-    for (; c < aligned; ++c) offsets_column(a, r, c);
-    for (; c + kColumns <= std::min(c1, full); c += kColumns) {
-      const float* chunk = a.offsets + c * a.groups;  // this chunk's [G][16]
-      Lanes term[kVectors] = {};
-      for (int64_t g = 0; g < a.groups; ++g) {
-        const float* off = chunk + g * kColumns;
-        const float gsum = float(gs[g]);
-        for (int i = 0; i < kVectors; ++i) {
-          Lanes t;
-          std::memcpy(&t, off + i * L, sizeof t);
-          t *= gsum;
-          if (sa != nullptr) t *= sa[g];
-          term[i] += t;
-        }
-      }
-      for (int i = 0; i < kVectors; ++i) {
-        if (sa == nullptr) term[i] *= a.sa[r];
-        for (int j = 0; j < L; ++j) out[c + i * L + j] += term[i][j];
-      }
+// Rows RB (from r) of one whole chunk at column c: the chunk's offsets loaded once a group for all
+// RB rows (one row at a time re-streamed every chunk's [G][16] per row: a 512-token prefill of a
+// Q4_K linear spent 40% of its kernel's time here). Each lane's operations as offsets_column's.
+// The lanes offsets_chunk works in: 16 (AVX-512), 8 (AVX2 + FMA) or 1 float (portable: std::fma,
+// the fused operation on every target, in software where the CPU has none) per vector.
+struct ScalarLanes {
+  using T = float;
+  static constexpr int kLanes = 1;
+  static T load(const float* p) { return *p; }
+  static T set1(float x) { return x; }
+  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+  static T mul(T a, T b) { return a * b; }
+  static void add_to(float* out, T v) { *out += v; }
+};
+#if defined(__x86_64__)
+#define CPK_LANES_AVX2 __attribute__((target("avx2,fma")))
+#define CPK_LANES_AVX512 __attribute__((target("avx512f,fma")))
+struct YmmLanes {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  CPK_LANES_AVX2 static T load(const float* p) { return _mm256_loadu_ps(p); }
+  CPK_LANES_AVX2 static T set1(float x) { return _mm256_set1_ps(x); }
+  CPK_LANES_AVX2 static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  CPK_LANES_AVX2 static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  CPK_LANES_AVX2 static void add_to(float* out, T v) { _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), v)); }
+};
+struct ZmmLanes {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  CPK_LANES_AVX512 static T load(const float* p) { return _mm512_loadu_ps(p); }
+  CPK_LANES_AVX512 static T set1(float x) { return _mm512_set1_ps(x); }
+  CPK_LANES_AVX512 static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  CPK_LANES_AVX512 static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  CPK_LANES_AVX512 static void add_to(float* out, T v) { _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), v)); }
+};
+#endif
+
+// Rows RB (from r) of one whole chunk at column c: the chunk's offsets loaded once a group for all
+// RB rows, the sums in registers (a row at a time re-read every chunk's [G][16] per row, the sums in
+// memory: a 512-token prefill of a Q4_K linear spent 40% of its kernel's time here). Each lane's
+// operations are offsets_column's.
+template <typename V, int RB>
+inline void offsets_chunk(const LinearArgs& a, int64_t r, int64_t c) {
+  constexpr int kVectors = kColumns / V::kLanes;
+  const float* chunk = a.offsets + c * a.groups;  // this chunk's [G][16]
+  typename V::T term[RB][kVectors];
+  for (int j = 0; j < RB; ++j)
+    for (int i = 0; i < kVectors; ++i) term[j][i] = V::set1(0.f);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    typename V::T w[RB];
+    for (int j = 0; j < RB; ++j) w[j] = V::set1(offsets_weight(a, r + j, g));
+    for (int i = 0; i < kVectors; ++i) {
+      const typename V::T off = V::load(chunk + g * kColumns + i * V::kLanes);
+      for (int j = 0; j < RB; ++j) term[j][i] = V::fma(off, w[j], term[j][i]);
     }
-    for (; c < c1; ++c) offsets_column(a, r, c);  // the last columns
+  }
+  for (int j = 0; j < RB; ++j)
+    for (int i = 0; i < kVectors; ++i)
+      V::add_to(a.out + (r + j) * a.n + c + i * V::kLanes,
+                a.sa_groups ? term[j][i] : V::mul(term[j][i], V::set1(a.sa[r + j])));
+}
+
+template <typename V>  // ScalarLanes, YmmLanes, ZmmLanes
+inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
+  constexpr int kRows = 4;
+  const int64_t full = a.n / kColumns * kColumns;
+  // A range that starts inside a chunk (columns shared out by threads, not panels): its columns up
+  // to the chunk's end one at a time, then whole chunks, then the rest.
+  const int64_t aligned = std::min(c1, (c0 + kColumns - 1) / kColumns * kColumns);
+  const int64_t chunks_end = std::max(aligned, std::min(c1, full) / kColumns * kColumns);
+  for (int64_t r = 0; r < a.m; ++r) {
+    for (int64_t c = c0; c < aligned; ++c) offsets_column(a, r, c);
+    for (int64_t c = chunks_end; c < c1; ++c) offsets_column(a, r, c);  // the last columns
+  }
+  for (int64_t c = aligned; c < chunks_end; c += kColumns) {
+    int64_t r = 0;
+    for (; r + kRows <= a.m; r += kRows) offsets_chunk<V, kRows>(a, r, c);
+    for (; r < a.m; ++r) offsets_chunk<V, 1>(a, r, c);
   }
 }
 
 using AddOffsets = void (*)(const LinearArgs&, int64_t, int64_t);
-void offsets_portable(const LinearArgs& a, int64_t c0, int64_t c1) { offsets_range<4>(a, c0, c1); }
+// flatten: the lanes' target-specific operations inline into each entry (not into the generic
+// templates, which have no target of their own).
+__attribute__((flatten)) void offsets_portable(const LinearArgs& a, int64_t c0, int64_t c1) { offsets_range<ScalarLanes>(a, c0, c1); }
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void offsets_avx2(const LinearArgs& a, int64_t c0, int64_t c1) {
-  offsets_range<8>(a, c0, c1);
+__attribute__((target("avx2,fma"), flatten)) void offsets_avx2(const LinearArgs& a, int64_t c0, int64_t c1) {
+  offsets_range<YmmLanes>(a, c0, c1);
 }
-__attribute__((target("avx512f"))) void offsets_avx512(const LinearArgs& a, int64_t c0, int64_t c1) {
-  offsets_range<16>(a, c0, c1);
+__attribute__((target("avx512f,fma"), flatten)) void offsets_avx512(const LinearArgs& a, int64_t c0, int64_t c1) {
+  offsets_range<ZmmLanes>(a, c0, c1);
 }
 #endif
 
@@ -252,7 +315,7 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
   const bool has_offsets = s.offsets.values != nullptr;
   // uint8 w + 128 (OffsetPanels): the activation sums of each group correct it; offsets need them too.
   const bool sums = v.int8 == Int8Layout::OffsetPanels || has_offsets || act_groups;
-  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int8));
+  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int8), in.m);
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups ? ab.block : 0, !ab.fold);
   LinearArgs args{act.q.data(),
@@ -275,7 +338,7 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                  int64_t groups, int64_t n, float* out, bool act_groups) {
   count(v, kW4A8);
   act_groups = act_groups && groups > 1;
-  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int4));
+  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int4), in.m);
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, in.k / groups, act, act_groups ? ab.block : 0, !ab.fold);
   LinearArgs args{act.q.data(),

@@ -98,9 +98,8 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(
       facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), sr, facc[r][i]);
       if constexpr (Groups::kStored) {
         if (!src.offsets) continue;
-        __m512 t = _mm512_mul_ps(o, _mm512_set1_ps(float(gs[r * groups + g])));
-        if (PG) t = _mm512_mul_ps(t, _mm512_set1_ps(sa[r * groups + g]));
-        oacc[r][i] = _mm512_add_ps(oacc[r][i], t);
+        const float gsum = float(gs[r * groups + g]);  // the driver's offsets_weight, one fma
+        oacc[r][i] = _mm512_fmadd_ps(o, _mm512_set1_ps(PG ? gsum * sa[r * groups + g] : gsum), oacc[r][i]);
       }
     }
   }

@@ -120,9 +120,9 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_group_h
                                         _mm256_load_ps(facc[r][i][h])));
         if constexpr (Groups::kStored) {
           if (!src.offsets) continue;
-          __m256 t = _mm256_mul_ps(o, _mm256_set1_ps(float(gs[r * groups + g])));
-          if (PG) t = _mm256_mul_ps(t, _mm256_set1_ps(sa[r * groups + g]));
-          _mm256_store_ps(oacc[r][i][h], _mm256_add_ps(_mm256_load_ps(oacc[r][i][h]), t));
+          const float gsum = float(gs[r * groups + g]);  // the driver's offsets_weight, one fma
+          _mm256_store_ps(oacc[r][i][h], _mm256_fmadd_ps(o, _mm256_set1_ps(PG ? gsum * sa[r * groups + g] : gsum),
+                                                         _mm256_load_ps(oacc[r][i][h])));
         }
       }
     }
