@@ -179,8 +179,9 @@ struct ZmmLanes {
 // RB rows, the sums in registers (a row at a time re-read every chunk's [G][16] per row, the sums in
 // memory: a 512-token prefill of a Q4_K linear spent 40% of its kernel's time here). Each lane's
 // operations are offsets_column's.
+// weights: offsets_weight of every row and group [M, G], made once a call.
 template <typename V, int RB>
-inline void offsets_chunk(const LinearArgs& a, int64_t r, int64_t c) {
+inline void offsets_chunk(const LinearArgs& a, const float* weights, int64_t r, int64_t c) {
   constexpr int kVectors = kColumns / V::kLanes;
   const float* chunk = a.offsets + c * a.groups;  // this chunk's [G][16]
   typename V::T term[RB][kVectors];
@@ -188,7 +189,7 @@ inline void offsets_chunk(const LinearArgs& a, int64_t r, int64_t c) {
     for (int i = 0; i < kVectors; ++i) term[j][i] = V::set1(0.f);
   for (int64_t g = 0; g < a.groups; ++g) {
     typename V::T w[RB];
-    for (int j = 0; j < RB; ++j) w[j] = V::set1(offsets_weight(a, r + j, g));
+    for (int j = 0; j < RB; ++j) w[j] = V::set1(weights[(r + j) * a.groups + g]);
     for (int i = 0; i < kVectors; ++i) {
       const typename V::T off = V::load(chunk + g * kColumns + i * V::kLanes);
       for (int j = 0; j < RB; ++j) term[j][i] = V::fma(off, w[j], term[j][i]);
@@ -212,10 +213,15 @@ inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < aligned; ++c) offsets_column(a, r, c);
     for (int64_t c = chunks_end; c < c1; ++c) offsets_column(a, r, c);  // the last columns
   }
+  if (aligned >= chunks_end) return;
+  thread_local std::vector<float> weights;  // per pool thread, reused
+  weights.resize(a.m * a.groups);
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t g = 0; g < a.groups; ++g) weights[r * a.groups + g] = offsets_weight(a, r, g);
   for (int64_t c = aligned; c < chunks_end; c += kColumns) {
     int64_t r = 0;
-    for (; r + kRows <= a.m; r += kRows) offsets_chunk<V, kRows>(a, r, c);
-    for (; r < a.m; ++r) offsets_chunk<V, 1>(a, r, c);
+    for (; r + kRows <= a.m; r += kRows) offsets_chunk<V, kRows>(a, weights.data(), r, c);
+    for (; r < a.m; ++r) offsets_chunk<V, 1>(a, weights.data(), r, c);
   }
 }
 
