@@ -19,17 +19,23 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
                                                                     int64_t n) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][P][2];
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_si256();
   const int64_t quads = quad_k(k) / 4;
   HalfStreams<P> ws(run);
   for (int64_t j = 0; j < quads; ++j) {
     __m256i a[R];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) a[r] = broadcast4_ymm(qa + r * k + 4 * j);
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
+      #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256i w = ws.half(i, h);
         const __m256i magnitude = _mm256_abs_epi8(w);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i signed_a = _mm256_sign_epi8(a[r], w);
           acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
@@ -39,9 +45,12 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_panel_block(const PanelR
       ws.advance(i);
     }
   }
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i)
+    #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256 s = load_scales_half(run, i, h, sw + i * kPanel + 8 * h);
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s), _mm256_set1_ps(sa[r])));
@@ -65,15 +74,21 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 0) * gs[r * groups + g]);
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
       __m256i a[R];
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) a[r] = broadcast4_ymm(qa + r * k + 4 * j);
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) {
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i w = ws.half(i, h);
           const __m256i magnitude = _mm256_abs_epi8(w);
+          #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             const __m256i signed_a = _mm256_sign_epi8(a[r], w);
             acc[r][i][h] = _mm256_add_epi32(acc[r][i][h],
@@ -107,18 +122,24 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8) * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
       __m256i alo[R], ahi[R];
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         alo[r] = broadcast4_ymm(qa + r * k + 8 * j);
         ahi[r] = broadcast4_ymm(qa + r * k + 8 * j + 4);
       }
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) {
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i v = ws.half(i, h);
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]), _mm256_maddubs_epi16(hi, ahi[r]));
             acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(pairs, ones));

@@ -30,6 +30,7 @@ struct Streams {
   int64_t step[P];
   int64_t ahead;
   __attribute__((target(CPK_VNNI_TARGET), always_inline)) explicit Streams(const PanelRun& run) : ahead(run.ahead) {
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
       at[i] = run.base[i];
       load[i] = run.load[i];
@@ -46,6 +47,7 @@ struct Streams {
 
 template <int P>
 __attribute__((target(CPK_VNNI_TARGET))) inline void store_panels(float* out, const __m512 (&v)[P], __mmask16 last) {
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
     if (i == P - 1)
       _mm512_mask_storeu_ps(out + i * kPanel, last, v[i]);
@@ -90,9 +92,11 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_group(
     ob = scale_codes::super_block(src.gs.offsets, g);
     for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, sb, ob);
   }
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
     __m512 s, o = _mm512_setzero_ps();
     group_values(run, src, i, groups, g, sb, ob, i == P - 1 ? run.store_last : __mmask16(0xFFFF), s, o);
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 sr = PG ? _mm512_mul_ps(s, _mm512_set1_ps(sa[r * groups + g])) : s;
       facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), sr, facc[r][i]);
@@ -112,8 +116,10 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void store_group(
                                                                                const __m512 (&oacc)[R][P],
                                                                                const float* sa, float* out,
                                                                                int64_t n) {
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     __m512 v[P];
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
       v[i] = PG ? facc[r][i] : _mm512_mul_ps(facc[r][i], _mm512_set1_ps(sa[r]));
       if constexpr (Groups::kStored) {
@@ -133,6 +139,7 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
     const PanelRun& run, const __m512i (&acc)[R][P], const StoredGroups& src, const int32_t* gs, int64_t groups,
     int64_t g, FoldAt& at, const float* sa, __m512i (&iacc)[R][P], __m512i (&macc)[R][P], __m512 (&facc)[R][P]) {
   for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, at.b, at.b);
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
     __m512i sc, oc = _mm512_setzero_si512();
     if (run.width[i] == kPanel) {
@@ -144,6 +151,7 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
       sc = _mm512_loadu_si512(s16);
       oc = _mm512_loadu_si512(o16);
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       iacc[r][i] = _mm512_add_epi32(iacc[r][i], _mm512_mullo_epi32(acc[r][i], sc));
       if (src.offsets) macc[r][i] = _mm512_add_epi32(macc[r][i], _mm512_mullo_epi32(oc, _mm512_set1_epi32(gs[r * groups + g])));
@@ -153,6 +161,7 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
   if (!at.closes(src.per)) return;
   ++at.b;
   const int64_t blocks = groups / src.per;
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
     __m512 S, O = _mm512_setzero_ps();
     if (run.width[i] == kPanel) {
@@ -164,6 +173,7 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
       S = _mm512_loadu_ps(s16);
       O = _mm512_loadu_ps(o16);
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][i]), S);
       if (src.offsets) t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(macc[r][i]), O, t);
@@ -194,6 +204,7 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void end_block(co
                                                                              const __m512 (&oacc)[R][P],
                                                                              const float* sa, float* out, int64_t n) {
   if constexpr (A == kFold) {
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) store_panels<P>(out + r * n, facc[r], run.store_last);
   } else {
     store_group<R, P, A == kPerGroup>(run, src, facc, oacc, sa, out, n);
@@ -207,23 +218,31 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_panel_block(const PanelR
                                                                     const int32_t* asum, int64_t k, const float* sw,
                                                                     const float* sa, float* out, int64_t n) {
   __m512i acc[R][P];
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(-128 * asum[r]);
   const int64_t quads = quad_k(k) / 4;
   Streams<P> w(run);
   for (int64_t j = 0; j < quads; ++j) {
     __m512i a[R];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) a[r] = broadcast4(qa + r * k + 4 * j);
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
       const __m512i v = w.next(i);
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], v, a[r]);
     }
   }
   __m512 s[P];
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i)
     s[i] = _mm512_maskz_loadu_ps(i == P - 1 ? run.store_last : __mmask16(0xFFFF), sw + i * kPanel);
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     __m512 v[P];
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i)
       v[i] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][i]), s[i]), _mm512_set1_ps(sa[r]));
     store_panels<P>(out + r * n, v, run.store_last);
@@ -241,7 +260,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
   const int32_t start = acc_start<A>(src, 128);
   __m512 facc[R][P], oacc[R][P];
   __m512i iacc[R][P], macc[R][P];
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
       facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
       iacc[r][i] = macc[r][i] = _mm512_setzero_si512();
@@ -250,13 +271,18 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
   Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(start * gs[r * groups + g]);
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j) {
       __m512i a[R];
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) a[r] = broadcast4(qa + r * k + 4 * j);
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) {
         const __m512i v = w.next(i);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], v, a[r]);
       }
     }
@@ -277,7 +303,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
   const int32_t start = acc_start<A>(src, 8);
   __m512 facc[R][P], oacc[R][P];
   __m512i iacc[R][P], macc[R][P];
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
       facc[r][i] = oacc[r][i] = _mm512_setzero_ps();
       iacc[r][i] = macc[r][i] = _mm512_setzero_si512();
@@ -286,18 +314,23 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
   Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i] = _mm512_set1_epi32(start * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
       __m512i alo[R], ahi[R];
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         alo[r] = broadcast4(qa + r * k + 8 * j);
         ahi[r] = broadcast4(qa + r * k + 8 * j + 4);
       }
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) {
         const __m512i v = w.next(i);
         const __m512i lo = _mm512_and_si512(v, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], lo, alo[r]);
           acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], hi, ahi[r]);

@@ -19,20 +19,28 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_panel_block(const Pa
                                                                         const float* sw, const float* sa, float* out,
                                                                         int64_t n) {
   __m256i acc[R][P][2];
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(-128 * asum[r]);
   const int64_t quads = quad_k(k) / 4;
   for (int64_t j = 0; j < quads; ++j)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i)
+      #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256i w = load_half(run, i, h, j);
         if (h == 0) prefetch_ahead(run, i, j);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
           acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
       }
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i)
+    #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256 s = load_scales_half(run, i, h, sw + i * kPanel + 8 * h);
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         store_half(run, i, h, out + r * n + i * kPanel + 8 * h,
                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][i][h]), s), _mm256_set1_ps(sa[r])));
@@ -55,13 +63,18 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
   FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 128) * gs[r * groups + g]);
     for (int64_t j = g * quads; j < (g + 1) * quads; ++j)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i)
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i w = load_half(run, i, h, j);
           if (h == 0) prefetch_ahead(run, i, j);
+          #pragma GCC unroll 4
           for (int r = 0; r < R; ++r)
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
         }
@@ -86,14 +99,19 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
   FoldAt at(A == kFold ? fold_per(src) : 1);  // in memory, as AVX2's: the registers hold the integers
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8) * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i)
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load_half(run, i, h, j);
           if (h == 0) prefetch_ahead(run, i, j);
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], lo, broadcast4_ymm(qa + r * k + 8 * j));
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));

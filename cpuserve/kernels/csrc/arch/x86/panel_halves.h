@@ -35,6 +35,7 @@ struct HalfStreams {
   int64_t ahead;
   __attribute__((target(CPK_AVX2_TARGET), always_inline)) explicit HalfStreams(const PanelRun& run)
       : ahead(run.ahead) {
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i) {
       at[i] = run.base[i];
       step[i] = run.step[i];
@@ -109,10 +110,13 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_group_h
     ob = scale_codes::super_block(src.gs.offsets, g);
     for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, sb, ob);
   }
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i)
+    #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       __m256 s, o = _mm256_setzero_ps();
       group_values_half(run, src, i, h, groups, g, sb, ob, s, o);
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         _mm256_store_ps(facc[r][i][h],
                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][i][h]),
@@ -132,8 +136,11 @@ template <int R, int P, bool PG, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void store_group_halves(
     const PanelRun& run, const Groups& src, const float (&facc)[R][P][2][8], const float (&oacc)[R][P][2][8],
     const float* sa, float* out, int64_t n) {
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
     for (int i = 0; i < P; ++i)
+      #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256 v = PG ? _mm256_load_ps(facc[r][i][h]) : _mm256_mul_ps(_mm256_load_ps(facc[r][i][h]), _mm256_set1_ps(sa[r]));
         if constexpr (Groups::kStored) {
@@ -154,15 +161,18 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_hal
     int64_t g, FoldAt& at, const float* sa, int32_t (&iacc)[R][P][2][8], int32_t (&macc)[R][P][2][8],
     float (&facc)[R][P][2][8]) {
   for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, at.b, at.b);
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
     alignas(32) int32_t s16[kPanel], o16[kPanel];
     const bool full = run.width[i] == kPanel;
     if (!full) scale_codes::fold_codes(src.gs, src.at[i], run.width[i], g, s16, o16);
+    #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const int64_t c = src.at[i].values + g * kPanel + 8 * h;
       const __m256i sc = full ? scale_codes::int_codes8(src.gs.scales, c) : _mm256_load_si256(reinterpret_cast<const __m256i*>(s16 + 8 * h));
       __m256i oc = _mm256_setzero_si256();
       if (src.offsets) oc = full ? scale_codes::int_codes8(src.gs.offsets, c) : _mm256_load_si256(reinterpret_cast<const __m256i*>(o16 + 8 * h));
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m256i* ia = reinterpret_cast<__m256i*>(iacc[r][i][h]);
         _mm256_store_si256(ia, _mm256_add_epi32(_mm256_load_si256(ia), _mm256_mullo_epi32(acc[r][i][h], sc)));
@@ -177,10 +187,12 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_hal
   if (!at.closes(src.per)) return;
   ++at.b;
   const int64_t blocks = groups / src.per;
+  #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
     alignas(32) float s16[kPanel], o16[kPanel];
     const bool full = run.width[i] == kPanel;
     if (!full) scale_codes::fold_supers(src.gs, src.at[i], run.width[i], b, s16, o16);
+    #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256 S = full ? _mm256_loadu_ps(src.gs.scales.super + src.at[i].scale_supers + b * kPanel + 8 * h)
                             : _mm256_load_ps(s16 + 8 * h);
@@ -188,6 +200,7 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_hal
       if (src.offsets)
         O = full ? _mm256_loadu_ps(src.gs.offsets.super + src.at[i].offset_supers + b * kPanel + 8 * h)
                  : _mm256_load_ps(o16 + 8 * h);
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m256i* ia = reinterpret_cast<__m256i*>(iacc[r][i][h]);
         __m256i* ma = reinterpret_cast<__m256i*>(macc[r][i][h]);
@@ -220,8 +233,11 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void end_block_ha
     const PanelRun& run, const Groups& src, const float (&facc)[R][P][2][8], const float (&oacc)[R][P][2][8],
     const float* sa, float* out, int64_t n) {
   if constexpr (A == kFold) {
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 4
       for (int i = 0; i < P; ++i)
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) store_half(run, i, h, out + r * n + i * kPanel + 8 * h, _mm256_load_ps(facc[r][i][h]));
   } else {
     store_group_halves<R, P, A == kPerGroup>(run, src, facc, oacc, sa, out, n);
