@@ -140,7 +140,11 @@ def _scheme(qc: QuantConfig | None, compute: torch.dtype) -> str:
     if qc is None:
         return f"unquantized, computed in {dense}"
     names = sorted({g.weight.name for g in qc.groups})
-    acts = "int8 activations per group" if all(g.weight.act_groups for g in qc.groups) else "int8 per-token activations"
+    acts = (
+        "int8 activations per group (K-quants: per 256-input super-block)"
+        if all(g.weight.act_groups for g in qc.groups)
+        else "int8 per-token activations"
+    )
     return f"{qc.label} {', '.join(names)}, {acts}; the rest in {dense}"
 
 

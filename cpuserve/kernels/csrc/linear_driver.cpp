@@ -103,11 +103,12 @@ struct ActBlocks {
   int64_t block = 1;
   bool fold = false;
 };
-ActBlocks act_blocks(const GroupScales& s, int64_t group, bool act_groups, bool panels, int64_t m) {
+ActBlocks act_blocks(const GroupScales& s, int64_t groups, int64_t group, bool act_groups, bool panels,
+                     int64_t m) {
   ActBlocks ab;
   if (!act_groups) return ab;
   const int64_t per = s.fold_per(group);
-  if (per > 0) ab = {per, panels && m <= kFoldRows};
+  if (per > 0 && groups % per == 0) ab = {per, panels && m <= kFoldRows};
   return ab;
 }
 
@@ -138,9 +139,6 @@ inline void offsets_column(const LinearArgs& a, int64_t r, int64_t c) {
   a.out[r * a.n + c] += sa != nullptr ? term : term * a.sa[r];
 }
 
-// Rows RB (from r) of one whole chunk at column c: the chunk's offsets loaded once a group for all
-// RB rows (one row at a time re-streamed every chunk's [G][16] per row: a 512-token prefill of a
-// Q4_K linear spent 40% of its kernel's time here). Each lane's operations as offsets_column's.
 // The lanes offsets_chunk works in: 16 (AVX-512), 8 (AVX2 + FMA) or 1 float (portable: std::fma,
 // the fused operation on every target, in software where the CPU has none) per vector.
 struct ScalarLanes {
@@ -179,7 +177,7 @@ struct ZmmLanes {
 // RB rows, the sums in registers (a row at a time re-read every chunk's [G][16] per row, the sums in
 // memory: a 512-token prefill of a Q4_K linear spent 40% of its kernel's time here). Each lane's
 // operations are offsets_column's.
-// weights: offsets_weight of every row and group [M, G], made once a call.
+// weights: offsets_weight of every row and group [M, G], made once per offsets_range call.
 template <typename V, int RB>
 inline void offsets_chunk(const LinearArgs& a, const float* weights, int64_t r, int64_t c) {
   constexpr int kVectors = kColumns / V::kLanes;
@@ -321,7 +319,7 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
   const bool has_offsets = s.offsets.values != nullptr;
   // uint8 w + 128 (OffsetPanels): the activation sums of each group correct it; offsets need them too.
   const bool sums = v.int8 == Int8Layout::OffsetPanels || has_offsets || act_groups;
-  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int8), in.m);
+  const ActBlocks ab = act_blocks(s, groups, in.k / groups, act_groups, is_panels(v.int8), in.m);
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, sums ? in.k / groups : 0, act, act_groups ? ab.block : 0, !ab.fold);
   LinearArgs args{act.q.data(),
@@ -344,7 +342,7 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                  int64_t groups, int64_t n, float* out, bool act_groups) {
   count(v, kW4A8);
   act_groups = act_groups && groups > 1;
-  const ActBlocks ab = act_blocks(s, in.k / groups, act_groups, is_panels(v.int4), in.m);
+  const ActBlocks ab = act_blocks(s, groups, in.k / groups, act_groups, is_panels(v.int4), in.m);
   Activations& act = scratch(in.m, in.k, groups);
   quantize_rows(v, par, in, in.k / groups, act, act_groups ? ab.block : 0, !ab.fold);
   LinearArgs args{act.q.data(),

@@ -80,7 +80,8 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
                  int64_t groups, int64_t n, float* out, bool act_groups);
 // act_groups: activations quantized per group of the weight's (one int8 scale per token and group,
-// as llama.cpp's Q8 activation blocks) instead of per token; only with groups > 1.
+// as llama.cpp's Q8 activation blocks) instead of per token; only with groups > 1. A K-quant's
+// integer codes (GroupScales::fold_per): one scale per token and super-block instead (Q8_K's).
 // Unquantized: w float panels [panels, K, 16] of wtype (float_panels.h), x widened to fp32 once.
 // out [M, N] fp32.
 void float_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, DType wtype, int64_t n,

@@ -14,7 +14,8 @@
 using cpk::Variant;
 
 // offsets: groups x N in the driver's column chunks (quant/offsets_layout.py; w = s * q + offset), or
-// none; act_groups: activations quantized per group instead of per token; scales and offsets fp32, or
+// none; act_groups: activations quantized per group (a K-quant's codes: per super-block) instead of
+// per token; scales and offsets fp32, or
 // codes with their super-block factors and a coded offset's mid (linear_driver.h, GroupScales).
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& variant,

@@ -1,6 +1,7 @@
 // avx512_vnni: the panel kernels on zmm registers (vpdpbusd multiplies the unsigned weight by the
 // signed activation; the offsets come back as -128 * sum(a) for W8A8 and -8 * sum(a over the group)
-// for W4A8 in every accumulator lane at the start) and the activation quantizer. Blocks of 3 tokens
+// for W4A8 in every accumulator lane at the start, (mid - 128) and (mid - 8) times the sum in a
+// K-quant's integer fold) and the activation quantizer. Blocks of 3 tokens
 // x 4 panels for prefill: ~390 GMAC/s of the ~460 peak of 2 Zen 4 cores (docs/kernels.md). Integer
 // sums are exact and the epilogues are the panel twin's (panel_twin.h): bit-identical to it.
 #if defined(__x86_64__)

@@ -96,7 +96,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
     std::memset(iacc, 0, sizeof iacc);
     std::memset(macc, 0, sizeof macc);
   }
-  FoldAt at(A == kFold ? fold_per(src) : 1);  // in memory, as AVX2's: the registers hold the integers
+  FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
     #pragma GCC unroll 4
