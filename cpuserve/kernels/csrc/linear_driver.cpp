@@ -174,10 +174,9 @@ struct ZmmLanes {
 #endif
 
 // Rows RB (from r) of one whole chunk at column c: the chunk's offsets loaded once a group for all
-// RB rows, the sums in registers (a row at a time re-read every chunk's [G][16] per row, the sums in
-// memory: a 512-token prefill of a Q4_K linear spent 40% of its kernel's time here). Each lane's
-// operations are offsets_column's.
-// weights: offsets_weight of every row and group [M, G], made once per offsets_range call.
+// RB rows, the sums in registers (a row at a time, the sums in memory: 2B Q4_K_M pp512 8-13% slower,
+// docs/benchmarks.md session 25). Each lane's operations are offsets_column's.
+// weights: offsets_weight of every row and group [M, G] (offsets_weights, once a linear).
 template <typename V, int RB>
 inline void offsets_chunk(const LinearArgs& a, const float* weights, int64_t r, int64_t c) {
   constexpr int kVectors = kColumns / V::kLanes;
@@ -200,7 +199,7 @@ inline void offsets_chunk(const LinearArgs& a, const float* weights, int64_t r, 
 }
 
 template <typename V>  // ScalarLanes, YmmLanes, ZmmLanes
-inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
+inline void offsets_range(const LinearArgs& a, const float* weights, int64_t c0, int64_t c1) {
   constexpr int kRows = 4;
   const int64_t full = a.n / kColumns * kColumns;
   // A range that starts inside a chunk (columns shared out by threads, not panels): its columns up
@@ -212,27 +211,23 @@ inline void offsets_range(const LinearArgs& a, int64_t c0, int64_t c1) {
     for (int64_t c = chunks_end; c < c1; ++c) offsets_column(a, r, c);  // the last columns
   }
   if (aligned >= chunks_end) return;
-  thread_local std::vector<float> weights;  // per pool thread, reused
-  weights.resize(a.m * a.groups);
-  for (int64_t r = 0; r < a.m; ++r)
-    for (int64_t g = 0; g < a.groups; ++g) weights[r * a.groups + g] = offsets_weight(a, r, g);
   for (int64_t c = aligned; c < chunks_end; c += kColumns) {
     int64_t r = 0;
-    for (; r + kRows <= a.m; r += kRows) offsets_chunk<V, kRows>(a, weights.data(), r, c);
-    for (; r < a.m; ++r) offsets_chunk<V, 1>(a, weights.data(), r, c);
+    for (; r + kRows <= a.m; r += kRows) offsets_chunk<V, kRows>(a, weights, r, c);
+    for (; r < a.m; ++r) offsets_chunk<V, 1>(a, weights, r, c);
   }
 }
 
-using AddOffsets = void (*)(const LinearArgs&, int64_t, int64_t);
+using AddOffsets = void (*)(const LinearArgs&, const float*, int64_t, int64_t);
 // flatten: the lanes' target-specific operations inline into each entry (not into the generic
 // templates, which have no target of their own).
-__attribute__((flatten)) void offsets_portable(const LinearArgs& a, int64_t c0, int64_t c1) { offsets_range<ScalarLanes>(a, c0, c1); }
+__attribute__((flatten)) void offsets_portable(const LinearArgs& a, const float* weights, int64_t c0, int64_t c1) { offsets_range<ScalarLanes>(a, weights, c0, c1); }
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"), flatten)) void offsets_avx2(const LinearArgs& a, int64_t c0, int64_t c1) {
-  offsets_range<YmmLanes>(a, c0, c1);
+__attribute__((target("avx2,fma"), flatten)) void offsets_avx2(const LinearArgs& a, const float* weights, int64_t c0, int64_t c1) {
+  offsets_range<YmmLanes>(a, weights, c0, c1);
 }
-__attribute__((target("avx512f,fma"), flatten)) void offsets_avx512(const LinearArgs& a, int64_t c0, int64_t c1) {
-  offsets_range<ZmmLanes>(a, c0, c1);
+__attribute__((target("avx512f,fma"), flatten)) void offsets_avx512(const LinearArgs& a, const float* weights, int64_t c0, int64_t c1) {
+  offsets_range<ZmmLanes>(a, weights, c0, c1);
 }
 #endif
 
@@ -273,12 +268,20 @@ void over_outputs(const Parallel& par, const Variant& v, bool panels, int64_t n,
     return par.for_range(0, panel_count(n), 1, [&](int64_t begin, int64_t end) { kernel(a, begin, end); });
   }
   const AddOffsets add_offsets = args.offsets != nullptr ? offsets_for(v) : nullptr;
+  thread_local std::vector<float> weight_buffer;  // per calling thread, reused
+  const float* weights = nullptr;  // offsets_weight [M, G], once a linear: the caller's, read by the pool
+  if (add_offsets != nullptr) {
+    weight_buffer.resize(args.m * args.groups);
+    for (int64_t r = 0; r < args.m; ++r)
+      for (int64_t g = 0; g < args.groups; ++g) weight_buffer[r * args.groups + g] = offsets_weight(args, r, g);
+    weights = weight_buffer.data();
+  }
   auto columns = [&](int64_t begin, int64_t end) {
     return std::pair<int64_t, int64_t>{panels ? begin * kPanel : begin, panels ? std::min(n, end * kPanel) : end};
   };
   auto run = [&](const LinearArgs& a, int64_t begin, int64_t end) {
     kernel(a, begin, end);
-    if (add_offsets != nullptr) add_offsets(a, columns(begin, end).first, columns(begin, end).second);
+    if (add_offsets != nullptr) add_offsets(a, weights, columns(begin, end).first, columns(begin, end).second);
   };
   const int64_t groups = args.groups, unit = kPanel * groups;
   const int64_t per_unit = unit * (args.offsets != nullptr ? 2 : 1) * int64_t(sizeof(float));

@@ -233,14 +233,67 @@ CPK_CODES_AVX512 inline void group16(const GroupScales& gs, const PanelAt& at, i
   if (ov.coded()) o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(gs.mid), s), o);
 }
 
-// The integer fold's reads of a full panel: group g's 16 codes as int32 lanes, super-block b's factors.
+// The integer fold's reads of the panel at `at` (w columns) into lanes: group g's codes (sc; oc the
+// offsets', zero without) and super-block b's factors (S, O). A full panel reads them in place, a
+// narrow one through fold_codes / fold_supers (lanes past w zero). 16 lanes, or half h's 8.
 CPK_CODES_AVX512 inline __m512i int_codes16(const GroupValues& gv, int64_t i) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(gv.values) + i));
   return gv.code == Code::U8 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
 }
+CPK_CODES_AVX512 inline void fold_codes16(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t g, __m512i& sc,
+                                          __m512i& oc) {
+  if (w == kPanel) {
+    sc = int_codes16(gs.scales, at.values + g * kPanel);
+    oc = gs.offsets.values != nullptr ? int_codes16(gs.offsets, at.values + g * kPanel) : _mm512_setzero_si512();
+    return;
+  }
+  int32_t s16[kPanel], o16[kPanel];
+  fold_codes(gs, at, w, g, s16, o16);
+  sc = _mm512_loadu_si512(s16);
+  oc = _mm512_loadu_si512(o16);
+}
+CPK_CODES_AVX512 inline void fold_supers16(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t b, __m512& S,
+                                           __m512& O) {
+  if (w == kPanel) {
+    S = _mm512_loadu_ps(gs.scales.super + at.scale_supers + b * kPanel);
+    O = gs.offsets.values != nullptr ? _mm512_loadu_ps(gs.offsets.super + at.offset_supers + b * kPanel)
+                                     : _mm512_setzero_ps();
+    return;
+  }
+  float s16[kPanel], o16[kPanel];
+  fold_supers(gs, at, w, b, s16, o16);
+  S = _mm512_loadu_ps(s16);
+  O = _mm512_loadu_ps(o16);
+}
 CPK_CODES_AVX2 inline __m256i int_codes8(const GroupValues& gv, int64_t i) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(gv.values) + i));
   return gv.code == Code::U8 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+}
+CPK_CODES_AVX2 inline void fold_codes8(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t g, int h,
+                                       __m256i& sc, __m256i& oc) {
+  if (w == kPanel) {
+    const int64_t i = at.values + g * kPanel + 8 * h;
+    sc = int_codes8(gs.scales, i);
+    oc = gs.offsets.values != nullptr ? int_codes8(gs.offsets, i) : _mm256_setzero_si256();
+    return;
+  }
+  int32_t s16[kPanel], o16[kPanel];
+  fold_codes(gs, at, w, g, s16, o16);
+  sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + 8 * h));
+  oc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o16 + 8 * h));
+}
+CPK_CODES_AVX2 inline void fold_supers8(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t b, int h,
+                                        __m256& S, __m256& O) {
+  if (w == kPanel) {
+    S = _mm256_loadu_ps(gs.scales.super + at.scale_supers + b * kPanel + 8 * h);
+    O = gs.offsets.values != nullptr ? _mm256_loadu_ps(gs.offsets.super + at.offset_supers + b * kPanel + 8 * h)
+                                     : _mm256_setzero_ps();
+    return;
+  }
+  float s16[kPanel], o16[kPanel];
+  fold_supers(gs, at, w, b, s16, o16);
+  S = _mm256_loadu_ps(s16 + 8 * h);
+  O = _mm256_loadu_ps(o16 + 8 * h);
 }
 
 // The same for half h (columns 8h .. 8h + 7) of a full panel: expand_panel_avx2's products.

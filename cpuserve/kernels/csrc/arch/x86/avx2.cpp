@@ -64,12 +64,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
                                                                     float* out, int64_t n) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quads = k / groups / 4;
-  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
-  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
-  if constexpr (A == kFold) {
-    std::memset(iacc, 0, sizeof iacc);
-    std::memset(macc, 0, sizeof macc);
-  }
+  HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
@@ -98,9 +93,9 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
         ws.advance(i);
       }
     }
-    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, sums);
   }
-  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, sums, sa, out, n);
 }
 
 template <int R, int P, int A, typename Groups>
@@ -112,12 +107,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   const int64_t steps = k / groups / 8;
   // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
   // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
-  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
-  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
-  if constexpr (A == kFold) {
-    std::memset(iacc, 0, sizeof iacc);
-    std::memset(macc, 0, sizeof macc);
-  }
+  HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
@@ -148,9 +138,9 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
         ws.advance(i);
       }
     }
-    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, sums);
   }
-  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, sums, sa, out, n);
 }
 
 struct S8Panels {

@@ -142,16 +142,8 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
   for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, at.b, at.b);
   #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
-    __m512i sc, oc = _mm512_setzero_si512();
-    if (run.width[i] == kPanel) {
-      sc = scale_codes::int_codes16(src.gs.scales, src.at[i].values + g * kPanel);
-      if (src.offsets) oc = scale_codes::int_codes16(src.gs.offsets, src.at[i].values + g * kPanel);
-    } else {
-      int32_t s16[kPanel], o16[kPanel];
-      scale_codes::fold_codes(src.gs, src.at[i], run.width[i], g, s16, o16);
-      sc = _mm512_loadu_si512(s16);
-      oc = _mm512_loadu_si512(o16);
-    }
+    __m512i sc, oc;
+    scale_codes::fold_codes16(src.gs, src.at[i], run.width[i], g, sc, oc);
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       iacc[r][i] = _mm512_add_epi32(iacc[r][i], _mm512_mullo_epi32(acc[r][i], sc));
@@ -164,16 +156,8 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void fold_int(
   const int64_t blocks = groups / src.per;
   #pragma GCC unroll 4
   for (int i = 0; i < P; ++i) {
-    __m512 S, O = _mm512_setzero_ps();
-    if (run.width[i] == kPanel) {
-      S = _mm512_loadu_ps(src.gs.scales.super + src.at[i].scale_supers + b * kPanel);
-      if (src.offsets) O = _mm512_loadu_ps(src.gs.offsets.super + src.at[i].offset_supers + b * kPanel);
-    } else {
-      float s16[kPanel], o16[kPanel];
-      scale_codes::fold_supers(src.gs, src.at[i], run.width[i], b, s16, o16);
-      S = _mm512_loadu_ps(s16);
-      O = _mm512_loadu_ps(o16);
-    }
+    __m512 S, O;
+    scale_codes::fold_supers16(src.gs, src.at[i], run.width[i], b, S, O);
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][i]), S);

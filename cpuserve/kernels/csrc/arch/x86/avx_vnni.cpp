@@ -54,12 +54,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
                                                                         const Groups& src, const float* sa, float* out,
                                                                         int64_t n) {
   const int64_t quads = k / groups / 4;
-  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
-  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
-  if constexpr (A == kFold) {
-    std::memset(iacc, 0, sizeof iacc);
-    std::memset(macc, 0, sizeof macc);
-  }
+  HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
@@ -78,9 +73,9 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
           for (int r = 0; r < R; ++r)
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], w, broadcast4_ymm(qa + r * k + 4 * j));
         }
-    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, sums);
   }
-  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, sums, sa, out, n);
 }
 
 template <int R, int P, int A, typename Groups>
@@ -90,12 +85,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
                                                                         int64_t n) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;
-  alignas(32) float facc[R][P][2][8] = {}, oacc[R][P][2][8] = {};
-  alignas(32) int32_t iacc[R][P][2][8], macc[R][P][2][8];  // the integer fold's (A == kFold)
-  if constexpr (A == kFold) {
-    std::memset(iacc, 0, sizeof iacc);
-    std::memset(macc, 0, sizeof macc);
-  }
+  HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][P][2];
@@ -117,9 +107,9 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));
           }
         }
-    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc, oacc);
+    end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, sums);
   }
-  end_block_halves<R, P, A>(run, src, facc, oacc, sa, out, n);
+  end_block_halves<R, P, A>(run, src, sums, sa, out, n);
 }
 
 struct U8Panels {

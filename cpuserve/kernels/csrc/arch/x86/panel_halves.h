@@ -162,16 +162,11 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_hal
     float (&facc)[R][P][2][8]) {
   for (int i = 0; i < src.prefetch; ++i) scale_codes::prefetch_group(src.gs, src.next[i], g, at.b, at.b);
   #pragma GCC unroll 4
-  for (int i = 0; i < P; ++i) {
-    alignas(32) int32_t s16[kPanel], o16[kPanel];
-    const bool full = run.width[i] == kPanel;
-    if (!full) scale_codes::fold_codes(src.gs, src.at[i], run.width[i], g, s16, o16);
+  for (int i = 0; i < P; ++i)
     #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const int64_t c = src.at[i].values + g * kPanel + 8 * h;
-      const __m256i sc = full ? scale_codes::int_codes8(src.gs.scales, c) : _mm256_load_si256(reinterpret_cast<const __m256i*>(s16 + 8 * h));
-      __m256i oc = _mm256_setzero_si256();
-      if (src.offsets) oc = full ? scale_codes::int_codes8(src.gs.offsets, c) : _mm256_load_si256(reinterpret_cast<const __m256i*>(o16 + 8 * h));
+      __m256i sc, oc;
+      scale_codes::fold_codes8(src.gs, src.at[i], run.width[i], g, h, sc, oc);
       #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m256i* ia = reinterpret_cast<__m256i*>(iacc[r][i][h]);
@@ -182,24 +177,16 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_hal
                                                 _mm256_mullo_epi32(oc, _mm256_set1_epi32(gs[r * groups + g]))));
       }
     }
-  }
   const int64_t b = at.b;
   if (!at.closes(src.per)) return;
   ++at.b;
   const int64_t blocks = groups / src.per;
   #pragma GCC unroll 4
-  for (int i = 0; i < P; ++i) {
-    alignas(32) float s16[kPanel], o16[kPanel];
-    const bool full = run.width[i] == kPanel;
-    if (!full) scale_codes::fold_supers(src.gs, src.at[i], run.width[i], b, s16, o16);
+  for (int i = 0; i < P; ++i)
     #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m256 S = full ? _mm256_loadu_ps(src.gs.scales.super + src.at[i].scale_supers + b * kPanel + 8 * h)
-                            : _mm256_load_ps(s16 + 8 * h);
-      __m256 O = _mm256_setzero_ps();
-      if (src.offsets)
-        O = full ? _mm256_loadu_ps(src.gs.offsets.super + src.at[i].offset_supers + b * kPanel + 8 * h)
-                 : _mm256_load_ps(o16 + 8 * h);
+      __m256 S, O;
+      scale_codes::fold_supers8(src.gs, src.at[i], run.width[i], b, h, S, O);
       #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m256i* ia = reinterpret_cast<__m256i*>(iacc[r][i][h]);
@@ -211,36 +198,52 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void fold_int_hal
         _mm256_store_si256(ma, _mm256_setzero_si256());
       }
     }
-  }
 }
+
+// A grouped block's sums on halves, in memory (touched once per group; the registers hold the
+// integer accumulators): the float sums, the offsets' term, and the integer fold's sums (zeroed only
+// under it). The fold's place in the super-blocks (FoldAt) stays a local of the block, in registers.
+template <int R, int P, int A>
+struct HalfSums {
+  alignas(32) float facc[R][P][2][8] = {};
+  alignas(32) float oacc[R][P][2][8] = {};
+  alignas(32) int32_t iacc[R][P][2][8];
+  alignas(32) int32_t macc[R][P][2][8];
+  __attribute__((always_inline)) HalfSums() {
+    if constexpr (A == kFold) {
+      std::memset(iacc, 0, sizeof iacc);
+      std::memset(macc, 0, sizeof macc);
+    }
+  }
+};
 
 // A grouped block's side per group (A: Acts): the float fold, or the integer fold.
 template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void end_group_halves(
     const PanelRun& run, const __m256i (&acc)[R][P][2], const Groups& src, const int32_t* gs, int64_t groups,
-    int64_t g, FoldAt& at, const float* sa, int32_t (&iacc)[R][P][2][8], int32_t (&macc)[R][P][2][8],
-    float (&facc)[R][P][2][8], float (&oacc)[R][P][2][8]) {
+    int64_t g, FoldAt& at, const float* sa, HalfSums<R, P, A>& sums) {
   if constexpr (A == kFold) {
-    if constexpr (Groups::kStored) fold_int_halves<R, P>(run, acc, src, gs, groups, g, at, sa, iacc, macc, facc);
+    if constexpr (Groups::kStored)
+      fold_int_halves<R, P>(run, acc, src, gs, groups, g, at, sa, sums.iacc, sums.macc, sums.facc);
   } else {
-    fold_group_halves<R, P, A == kPerGroup>(run, acc, src, gs, groups, g, sa, facc, oacc);
+    fold_group_halves<R, P, A == kPerGroup>(run, acc, src, gs, groups, g, sa, sums.facc, sums.oacc);
   }
 }
 
 // The end of a grouped block on halves: the sums stored (the fold's already scaled and offset).
 template <int R, int P, int A, typename Groups>
 __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void end_block_halves(
-    const PanelRun& run, const Groups& src, const float (&facc)[R][P][2][8], const float (&oacc)[R][P][2][8],
-    const float* sa, float* out, int64_t n) {
+    const PanelRun& run, const Groups& src, const HalfSums<R, P, A>& sums, const float* sa, float* out, int64_t n) {
   if constexpr (A == kFold) {
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
       #pragma GCC unroll 4
       for (int i = 0; i < P; ++i)
         #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) store_half(run, i, h, out + r * n + i * kPanel + 8 * h, _mm256_load_ps(facc[r][i][h]));
+        for (int h = 0; h < 2; ++h)
+          store_half(run, i, h, out + r * n + i * kPanel + 8 * h, _mm256_load_ps(sums.facc[r][i][h]));
   } else {
-    store_group_halves<R, P, A == kPerGroup>(run, src, facc, oacc, sa, out, n);
+    store_group_halves<R, P, A == kPerGroup>(run, src, sums.facc, sums.oacc, sa, out, n);
   }
 }
 
