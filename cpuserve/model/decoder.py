@@ -244,7 +244,10 @@ class DecoderBody(nn.Module):
 
     def __init__(self, spec: ModelSpec, linear: LinearFactory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # On the meta device (the loader's build) no random init: nn.Embedding's normal_ on a meta tensor
+        # goes through torch._refs, which imports torch._dynamo, inductor and sympy (~70 MB of RSS).
+        weight = torch.empty(spec.vocab_size, spec.hidden_size) if torch.get_default_device().type == "meta" else None
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, f"model.layers.{i}.", linear) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset)
 

@@ -337,6 +337,8 @@ class IntWeightMethod:
         if covered != n:
             raise CheckpointError(f"{file}: tensor '{prefix}.weight' ends at row {covered}, expected {n} {what}")
         layer.qweight, layer.weight_words, layer.offsets = None, None, None
+        for part in _CODE_PARTS:  # the meta placeholders create_weights registered
+            setattr(layer, part, None)
         layer.packed_layout = layout
         if layout == "signed":
             layer.qweight = packed
