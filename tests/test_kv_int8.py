@@ -32,6 +32,16 @@ def _fresh_variant():
     selected_variant.cache_clear()
 
 
+def _select(monkeypatch, path: str) -> None:
+    """Which attention runs: "selected" (this CPU's variant), "avx2" or "portable" (CPUSERVE_ISA)."""
+    from cpuserve.kernels import runnable_variants
+
+    if path == "avx2" and "avx2" not in runnable_variants():
+        pytest.skip("this CPU lacks AVX2")
+    if path in ("avx2", "portable"):
+        monkeypatch.setenv("CPUSERVE_ISA", "generic" if path == "portable" else path)
+
+
 def test_rows_round_to_the_nearest_step_of_their_own_scale():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 64, generator=gen) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)
@@ -56,17 +66,18 @@ def test_cache_dtype_names():
     [
         (9, 3, 64, [37, 250, 1]),
         (16, 2, 128, [37, 250, 1]),
-        (4, 4, 40, [37, 250, 1]),  # d not a multiple of 16: the portable loops on every path
+        (4, 4, 40, [37, 250, 1]),  # d not a multiple of 16: AVX-512 runs the portable loops, AVX2 its blocks of 8
+        (4, 2, 36, [37, 250, 1]),  # d not a multiple of 8: the portable loops on every path
         (9, 3, 64, [300]),  # one sequence, 3 KV heads: the AVX-512 path splits its keys into parts
     ],
 )
-@pytest.mark.parametrize("path", ["selected", "portable", "reference"])
+@pytest.mark.parametrize("path", ["selected", "avx2", "portable", "reference"])
 def test_paged_decode_attention_over_int8_rows_equals_sdpa(monkeypatch, hq, hkv, d, lengths, path):
     """SDPA in fp32 over the dequantized rows is the reference: the kernels read the same values, so
     only summation order differs (fp32 budget). "selected": the variant this CPU gets (AVX-512's
-    intrinsics where it has them); "portable": the template loops (CPUSERVE_ISA=generic)."""
-    if path == "portable":
-        monkeypatch.setenv("CPUSERVE_ISA", "generic")
+    key blocks where it has them); "avx2": AVX2's key blocks of 8; "portable": the template loops
+    (CPUSERVE_ISA=generic)."""
+    _select(monkeypatch, path)
     if path == "reference":
         monkeypatch.setattr(ops, "_use_native", lambda *t: None)
     else:
@@ -91,11 +102,10 @@ def test_paged_decode_attention_over_int8_rows_equals_sdpa(monkeypatch, hq, hkv,
         assert (got[i] - want).abs().max() <= 4e-6, i
 
 
-@pytest.mark.parametrize("path", ["selected", "portable"])
+@pytest.mark.parametrize("path", ["selected", "avx2", "portable"])
 def test_contiguous_int8_cache_reads_each_batchs_own_scales(monkeypatch, path):
     """The contiguous layout (no slots: batch b, positions 0..L-1) addresses scales by batch too."""
-    if path == "portable":
-        monkeypatch.setenv("CPUSERVE_ISA", "generic")
+    _select(monkeypatch, path)
     kernels = ops._native()
     assert kernels is not None
     gen = torch.Generator().manual_seed(3)

@@ -161,7 +161,17 @@ def _sdpa(q, k, v):
 
 # "avx512": the intrinsics path where the CPU has AVX-512 (else the same as "portable": the template
 # loops compiled per ISA, which CPUSERVE_ISA=generic selects).
-ATTENTION_PATHS = ["avx512", "portable"]
+# The host's own variant (AVX-512's key blocks of 16 on such hosts), avx2's key blocks of 8, the portable loops.
+ATTENTION_PATHS = ["host", "avx2", "portable"]
+
+
+def _attention_path(monkeypatch, path: str) -> None:
+    from cpuserve.kernels import runnable_variants
+
+    if path == "avx2" and "avx2" not in runnable_variants():
+        pytest.skip("this CPU lacks AVX2")
+    if path != "host":
+        monkeypatch.setenv("CPUSERVE_ISA", "generic" if path == "portable" else path)
 
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (16, 2), (4, 4)])
@@ -171,8 +181,7 @@ ATTENTION_PATHS = ["avx512", "portable"]
 def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype, budget, native_ops, path):
     if not native_ops:
         monkeypatch.setattr(ops, "_use_native", lambda *t: None)
-    if path == "portable":
-        monkeypatch.setenv("CPUSERVE_ISA", "generic")
+    _attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     n, d, capacity = 3, 64, 96
     lengths = [37, 20, 1]
@@ -198,8 +207,7 @@ def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype
 # one sequence with few KV heads: the AVX-512 path splits its keys into parts (with 700 keys) and merges
 @pytest.mark.parametrize("b,hq,hkv,d", [(2, 8, 2, 128), (1, 9, 3, 64)])
 def test_contiguous_decode_attention_equals_sdpa(kernels, monkeypatch, dtype, budget, used, path, b, hq, hkv, d):
-    if path == "portable":
-        monkeypatch.setenv("CPUSERVE_ISA", "generic")
+    _attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(11)
     cap = used + 17
     q = torch.randn(b, hq, d, generator=gen).to(dtype)
@@ -282,18 +290,23 @@ def test_quantized_model_with_native_ops_stays_within_the_schemes_own_noise(kern
     assert (reference.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.85
 
 
-def test_both_attention_paths_run_here(kernels, monkeypatch):
-    """CPUSERVE_ISA=generic really switches the AVX-512 attention off (so the tests above check both):
-    their float rounding differs (another exp, another summation order), their results agree."""
+@pytest.mark.parametrize("variant", ["avx2", "avx512_vnni"])
+def test_key_block_attention_is_its_own_path(kernels, monkeypatch, variant):
+    """CPUSERVE_ISA=generic really switches a variant's key-block attention off (so the tests above
+    check both): their float rounding differs (another exp, another summation order), their results
+    agree; selecting the variant reaches its blocks."""
     from cpuserve.kernels import runnable_variants
 
-    if "avx512_vnni" not in runnable_variants():
-        pytest.skip("this CPU lacks AVX-512 VNNI: only the portable attention runs here")
+    if variant not in runnable_variants():
+        pytest.skip(f"this CPU cannot run {variant}: only other attention paths run here")
     gen = torch.Generator().manual_seed(12)
     q = torch.randn(1, 8, 128, generator=gen)
     k, v = torch.randn(1, 300, 2, 128, generator=gen), torch.randn(1, 300, 2, 128, generator=gen)
     lengths = torch.tensor([300])
+    monkeypatch.setenv("CPUSERVE_ISA", variant)
+    selected_variant.cache_clear()
     fast = ops.decode_attention_contiguous(q, k.transpose(1, 2), v.transpose(1, 2))
+    assert torch.equal(fast, kernels.decode_attention(q, k, v, None, lengths, 128**-0.5, kernels.variant(variant)))
     monkeypatch.setenv("CPUSERVE_ISA", "generic")
     selected_variant.cache_clear()
     portable = ops.decode_attention_contiguous(q, k.transpose(1, 2), v.transpose(1, 2))

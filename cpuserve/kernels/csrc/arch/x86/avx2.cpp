@@ -3,9 +3,8 @@
 // most 2 * 128 * 127 < 2^15: no saturation; vpmaddwd by ones widens to int32. W4A8 reads the VNNI
 // panels' bytes as they are (offset nibbles <= 15: pairs <= 3810, the two nibble halves' sum
 // <= 7620). Exact integers and the panel twin's epilogues: bit-identical to it. Also the AVX2
-// activation quantizer and decode attention (the portable loops compiled for AVX2).
+// activation quantizer (decode attention: attention_avx2.cpp).
 #if defined(__x86_64__)
-#include "../../attention.h"
 #include "../../quantize.h"
 #include "kernels.h"
 #include "panel_halves.h"
@@ -212,9 +211,6 @@ __attribute__((target(CPK_AVX2_TARGET))) void quantize_row_avx2(const float* x, 
   for (; i < k; ++i) q[i] = quantize_value(x[i], s);
   group_sums(q, k, group, sums);
 }
-
-// The portable attention loops compiled for AVX2 (no FMA contraction: the generic twin's floats).
-CPK_PORTABLE_ATTENTION(decode_attention_avx2, __attribute__((target("avx2"))))
 
 }  // namespace cpk
 #endif  // __x86_64__

@@ -10,6 +10,7 @@ namespace cpk {
 void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
 void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
 void quantize_row_avx2(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
+// attention_avx2.cpp: decode attention in key blocks of 8 (attention_blocks.h).
 void decode_attention_avx2(const AttentionArgs& a, const Parallel& par);
 // float_avx2.cpp: the float panel kernel on ymm (FMA, F16C widening), also avx_vnni's.
 void float_linear_avx2(const FloatArgs& a, int64_t p0, int64_t p1);
@@ -18,7 +19,8 @@ void float_linear_avx2(const FloatArgs& a, int64_t p0, int64_t p1);
 void w8a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void w4a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 
-// avx512_vnni.cpp, attention_avx512.cpp: AVX-512 F/BW/VL/VNNI, offset int8 and nibble panels.
+// avx512_vnni.cpp: AVX-512 F/BW/VL/VNNI, offset int8 and nibble panels; attention_avx512.cpp: decode
+// attention in key blocks of 16 (attention_blocks.h).
 void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void quantize_row_avx512_vnni(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);

@@ -1,0 +1,178 @@
+// Decode attention in key blocks of one vector's lanes, for any vector width: each ISA's file gives a
+// lane type V (below) and includes this header under its target pragma, as float_kernel.h is used.
+// Scores: each key row is converted to fp32 once for the query heads sharing it; each (head, key)
+// leaves a V::kLanes-lane partial, and the partials of a key block are summed lane-wise by one
+// transpose tree (V::sum_lanes) into the block's scores, with no horizontal sum per dot product.
+// Softmax with a vector exp. Values: per V::kLanes columns of the head dimension, every head's
+// accumulator in a register, each value row read once. Long contexts with few (sequence, KV head)
+// jobs are split into parts over the threads and merged (the flash-decoding reduction).
+//
+// V provides: Vec, Mask, kLanes; zero, set1, add, sub, mul, max, fma(a, b, c) = a * b + c; load from
+// float / Bf16 / F16 / int8 (kLanes values widened to fp32), store; first(n) (the lanes below n),
+// load_first(p, m, fill) (p's lanes under m, fill elsewhere), store_first(p, m, v), keep(m, v) (v
+// under m, 0 elsewhere); reduce_max, reduce_add; sum_lanes(v[kLanes]) (lane l = the sum of v[l]'s
+// lanes); exp (e^x, 0 below fp32's normal range).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "attention.h"
+
+namespace cpk {
+namespace attention_blocks {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kMaxParts = 16;  // key parts per (sequence, KV head)
+
+// The shapes the blocks take; others run the portable loops.
+template <typename V>
+constexpr bool fits(int64_t d, int64_t group) {
+  return d % V::kLanes == 0 && d <= kMaxHeadDim && group <= kMaxGroup;
+}
+
+// kLanes values of a cache row as the attention reads them: an int8 row times its scale, a float row as stored.
+template <typename V, typename T>
+inline typename V::Vec load_scaled(const T* p, float scale) {
+  if constexpr (kInt8Cache<T>) return V::mul(V::load(p), V::set1(scale));
+  return V::load(p);
+}
+
+// One part of a job: keys [l0, l1) of (seq, head) for its `group` query heads. Leaves, per head, the
+// part's largest score (mx), the sum of e^(score - mx) (total) and the unnormalized output
+// sum e^(score - mx) v (o, [group, d]); an empty part leaves -inf, 0, 0. run() merges.
+template <typename V, typename T>
+void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t l1, float* scores, float* mx,
+          float* total, float* o) {
+  using Vec = typename V::Vec;
+  constexpr int64_t L = V::kLanes;
+  const int64_t group = a.hq / a.hkv, d = a.d, chunks = d / L, count = l1 - l0;
+  const int64_t stride = (count + L - 1) / L * L;
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
+  const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+  const float* qs = a.q + (seq * a.hq + head * group) * d;
+  auto position = [&](int64_t l) { return slot ? slot[l] : l; };
+  auto row = [&](const T* p, int64_t l) { return p + base + position(l) * a.ks; };
+  alignas(64) float partial[kMaxGroup][L][L];
+  for (int64_t b0 = 0; b0 < count; b0 += L) {
+    const int64_t nb = std::min<int64_t>(L, count - b0);
+    for (int64_t j = 0; j < L; ++j) {
+      if (j >= nb) {  // past the end of the part: zero partials, not stored below
+        for (int64_t g = 0; g < group; ++g) V::store(partial[g][j], V::zero());
+        continue;
+      }
+      const T* key = row(kp, l0 + b0 + j);
+      const float ks = row_scale<T>(a.k_scale, a, seq, position(l0 + b0 + j), head);
+      Vec kv[kMaxHeadDim / L];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load_scaled<V>(key + L * c, ks);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qs + g * d;
+        Vec acc = V::mul(V::load(qg), kv[0]);
+        for (int64_t c = 1; c < chunks; ++c) acc = V::fma(V::load(qg + L * c), kv[c], acc);
+        V::store(partial[g][j], acc);
+      }
+    }
+    const auto live = V::first(nb);
+    for (int64_t g = 0; g < group; ++g) {
+      Vec v[L];
+      for (int64_t j = 0; j < L; ++j) v[j] = V::load(partial[g][j]);
+      V::store_first(scores + g * stride + b0, live, V::mul(V::sum_lanes(v), V::set1(a.scale)));
+    }
+  }
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores + g * stride;
+    Vec top = V::set1(minus_inf);
+    for (int64_t l = 0; l < count; l += L) top = V::max(top, V::load_first(sc + l, V::first(count - l), minus_inf));
+    mx[g] = V::reduce_max(top);
+    const Vec shift = V::set1(mx[g]);
+    Vec sum = V::zero();
+    for (int64_t l = 0; l < count; l += L) {
+      const auto m = V::first(count - l);
+      const Vec e = V::exp(V::sub(V::load_first(sc + l, m, 0.f), shift));
+      V::store_first(sc + l, m, e);
+      sum = V::add(sum, V::keep(m, e));
+    }
+    total[g] = V::reduce_add(sum);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    Vec acc[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) acc[g] = V::zero();
+    for (int64_t l = 0; l < count; ++l) {
+      const Vec value = load_scaled<V>(row(vp, l0 + l) + L * c, row_scale<T>(a.v_scale, a, seq, position(l0 + l), head));
+      for (int64_t g = 0; g < group; ++g) acc[g] = V::fma(V::set1(scores[g * stride + l]), value, acc[g]);
+    }
+    for (int64_t g = 0; g < group; ++g) V::store(o + g * d + L * c, acc[g]);
+  }
+}
+
+// Jobs [begin, end): the weighted sum of their parts' outputs over the weighted sum of their totals,
+// each part weighted by e^(its max - the job's max).
+template <typename V>
+void merge_parts(const AttentionArgs& a, int64_t split, const float* mx, const float* total, const float* o,
+                 int64_t begin, int64_t end) {
+  using Vec = typename V::Vec;
+  const int64_t group = a.hq / a.hkv, d = a.d;
+  for (int64_t job = begin; job < end; ++job)
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < split; ++p) top = std::max(top, mx[(job * split + p) * group + g]);
+      float weight[kMaxParts], sum = 0.f;
+      for (int64_t p = 0; p < split; ++p) {
+        const int64_t i = (job * split + p) * group + g;
+        weight[p] = total[i] > 0.f ? std::exp(mx[i] - top) : 0.f;
+        sum += weight[p] * total[i];
+      }
+      const Vec inv = V::set1(1.f / sum);
+      float* out = a.out + ((job / a.hkv) * a.hq + (job % a.hkv) * group + g) * d;
+      for (int64_t c = 0; c < d; c += V::kLanes) {
+        Vec acc = V::zero();
+        for (int64_t p = 0; p < split; ++p)
+          acc = V::fma(V::set1(weight[p]), V::load(o + ((job * split + p) * group + g) * d + c), acc);
+        V::store(out + c, V::mul(acc, inv));
+      }
+    }
+}
+
+// Splits each (sequence, KV head)'s keys into parts when there are too few of those to give every
+// thread work (SmolLM2: 3 KV heads on 2 threads left one thread idle a third of the time), then merges
+// the parts' softmax statistics. The caller checks fits<V>.
+template <typename V, typename T>
+void run(const AttentionArgs& a, const Parallel& par) {
+  const int64_t group = a.hq / a.hkv, d = a.d, jobs = a.n * a.hkv;
+  const int64_t threads = par.threads;
+  int64_t split = jobs >= 2 * threads ? 1 : (2 * threads + jobs - 1) / jobs;
+  split = std::max<int64_t>(1, std::min({split, a.longest / 64, kMaxParts}));  // at least 64 keys a part
+  const int64_t parts = jobs * split;
+  std::vector<float> mx(parts * group), total(parts * group), o(parts * group * d);
+  par.for_range(0, parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(group * ((a.longest + split - 1) / split + V::kLanes)));
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t job = p / split, i = p % split, length = a.lengths[job / a.hkv];
+      part<V, T>(a, job / a.hkv, job % a.hkv, i * length / split, (i + 1) * length / split, scores.data(),
+                 mx.data() + p * group, total.data() + p * group, o.data() + p * group * d);
+    }
+  });
+  // The merge is a few microseconds: on the calling thread unless there are many jobs.
+  par.for_range(0, jobs, 64, [&](int64_t begin, int64_t end) {
+    merge_parts<V>(a, split, mx.data(), total.data(), o.data(), begin, end);
+  });
+}
+
+// The cache's element type picks the instance.
+template <typename V>
+void dispatch(const AttentionArgs& a, const Parallel& par) {
+  if (a.k_scale) return run<V, int8_t>(a, par);
+  if (a.dtype == DType::F32) return run<V, float>(a, par);
+  if (a.dtype == DType::Bf16) return run<V, Bf16>(a, par);
+  run<V, F16>(a, par);
+}
+
+}  // namespace attention_blocks
+}  // namespace cpk
