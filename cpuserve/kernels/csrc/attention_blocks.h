@@ -1,6 +1,6 @@
 // Decode attention in key blocks of one vector's lanes, for any vector width: each ISA's file gives a
 // lane type V (below) and includes this header under its target pragma, as float_kernel.h is used.
-// Scores: each key row is converted to fp32 once for the query heads sharing it; each (head, key)
+// Scores: each key row is converted to fp32 once for the query heads sharing it (fp32 rows read in place); each (head, key)
 // leaves a V::kLanes-lane partial, and the partials of a key block are summed lane-wise by one
 // transpose tree (V::sum_lanes) into the block's scores, with no horizontal sum per dot product.
 // Softmax with a vector exp. Values: per V::kLanes columns of the head dimension, every head's
@@ -10,14 +10,15 @@
 // V provides: Vec, Mask, kLanes; zero, set1, add, sub, mul, max, fma(a, b, c) = a * b + c; load from
 // float / Bf16 / F16 / int8 (kLanes values widened to fp32), store; first(n) (the lanes below n),
 // load_first(p, m, fill) (p's lanes under m, fill elsewhere), store_first(p, m, v), keep(m, v) (v
-// under m, 0 elsewhere); reduce_max, reduce_add; sum_lanes(v[kLanes]) (lane l = the sum of v[l]'s
-// lanes); exp (e^x, 0 below fp32's normal range).
+// under m, 0 elsewhere); reduce_max, reduce_add; sum_lanes(rows) (kLanes rows of kLanes floats: lane l = the sum of
+// row l); exp (e^x, 0 below fp32's normal range).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -68,22 +69,27 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
         continue;
       }
       const T* key = row(kp, l0 + b0 + j);
-      const float ks = row_scale<T>(a.k_scale, a, seq, position(l0 + b0 + j), head);
-      Vec kv[kMaxHeadDim / L];
-      for (int64_t c = 0; c < chunks; ++c) kv[c] = load_scaled<V>(key + L * c, ks);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qs + g * d;
-        Vec acc = V::mul(V::load(qg), kv[0]);
-        for (int64_t c = 1; c < chunks; ++c) acc = V::fma(V::load(qg + L * c), kv[c], acc);
-        V::store(partial[g][j], acc);
+      auto dots = [&](auto chunk) {  // each head's partial over the key row, chunk(c) its c-th vector
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qs + g * d;
+          Vec acc = V::mul(V::load(qg), chunk(0));
+          for (int64_t c = 1; c < chunks; ++c) acc = V::fma(V::load(qg + L * c), chunk(c), acc);
+          V::store(partial[g][j], acc);
+        }
+      };
+      if constexpr (std::is_same<T, float>::value) {
+        // read in place (converting it into an array first compiled to a memcpy a key)
+        dots([&](int64_t c) { return V::load(key + L * c); });
+      } else {  // converted once for the heads sharing it
+        const float ks = row_scale<T>(a.k_scale, a, seq, position(l0 + b0 + j), head);
+        Vec kv[kMaxHeadDim / L];
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = load_scaled<V>(key + L * c, ks);
+        dots([&](int64_t c) { return kv[c]; });
       }
     }
     const auto live = V::first(nb);
-    for (int64_t g = 0; g < group; ++g) {
-      Vec v[L];
-      for (int64_t j = 0; j < L; ++j) v[j] = V::load(partial[g][j]);
-      V::store_first(scores + g * stride + b0, live, V::mul(V::sum_lanes(v), V::set1(a.scale)));
-    }
+    for (int64_t g = 0; g < group; ++g)
+      V::store_first(scores + g * stride + b0, live, V::mul(V::sum_lanes(partial[g][0]), V::set1(a.scale)));
   }
   const float minus_inf = -std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < group; ++g) {

@@ -63,7 +63,9 @@ struct Ymm {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   }
-  static Vec sum_lanes(Vec (&v)[8]) {
+  static Vec sum_lanes(const float* rows) {
+    Vec v[8];
+    for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(rows + 8 * i);
     __m256 a[4], b[2];
     for (int i = 0; i < 4; ++i)
       a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
