@@ -318,9 +318,34 @@ def test_key_block_attention_is_its_own_path(kernels, monkeypatch, variant):
 
 
 @pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+def test_fp32_act_rows_give_the_same_bits_on_every_variant(kernels, op):
+    """The fp32 rows are compiled per x86 width too (act_mul_for): every variant that runs here gives
+    the portable row's bits (NaN where it has NaN), an odd length for the loops' tails, and the
+    result is within the fp32 budget of test_gelu_tanh_mul against the torch reference."""
+    gen = torch.Generator().manual_seed(12)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, -0.0, 90.0, -90.0])
+    gate = torch.cat([torch.randn(1003, generator=gen) * 8, special])[None]
+    up = torch.cat([torch.randn(1003, generator=gen), torch.ones(9)])[None]
+    fn = getattr(kernels, op)
+    want = fn(gate, up, kernels.variant("generic"))
+    ran = []
+    for name in kernels.variants():
+        variant = kernels.variant(name)
+        if variant.runs_here:
+            got = fn(gate, up, variant)
+            assert torch.equal(got.isnan(), want.isnan()), name
+            assert torch.equal(got[~want.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32)), name
+            ran.append(name)
+    assert "generic" in ran
+    reference = getattr(ops, f"{op}_reference")(gate, up)
+    # test_gelu_tanh_mul's budget: absolute where GeGLU's 1 + tanh cancels (|x| / 2 * 6e-8 * |up| < 4e-6 here)
+    torch.testing.assert_close(want[:, :1003], reference[:, :1003], rtol=FP32_REL, atol=4e-6)
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
 def test_bf16_act_rows_give_the_same_bits_on_every_variant(kernels, op):
     """SiLU's and GeGLU's bf16 rows are compiled for each x86 width the variant allows (layer_ops.cpp,
-    act_mul_bf16_for), the same operations a lane: every variant that runs here gives the portable
+    act_mul_for), the same operations a lane: every variant that runs here gives the portable
     row's bits (an odd length for the loops' tails; NaN, infinities, zeros and huge values too), and
     the result is within the reference's budget."""
     gen = torch.Generator().manual_seed(11)

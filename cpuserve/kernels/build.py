@@ -22,7 +22,10 @@ CORE = [p for p in SOURCES if p.suffix == ".cpp" and p.name not in BINDINGS]
 # torch's extension build names each object after its file: the names must differ across folders.
 assert len({p.name for p in CORE}) == len(CORE), "csrc/: two .cpp files share a name"
 # No fused multiply-add contraction of scalar code: the twins' float order is part of the contract.
-CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off"]
+# -fno-trapping-math changes no value (no reassociation, no contraction): it lets GCC turn float
+# compares and selects (clamps, NaN cases) into vector blends on AVX2, where it otherwise leaves
+# such loops scalar ("control flow in loop"; AVX-512's masks did not need it).
+CFLAGS = ["-O3", "-fopenmp", "-Wall", "-ffp-contract=off", "-fno-trapping-math"]
 BUILD_DIR = HERE / "_build"
 BUILT_FOR = "built_for.json"  # next to each library: the torch version and machine it was built for
 
@@ -40,6 +43,7 @@ def _key(target: dict[str, str]) -> str:
     for src in SOURCES:
         h.update(str(src.relative_to(CSRC)).encode())
         h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())  # a flag changes the code: a new library
     h.update(target["torch"].encode())
     h.update(target["machine"].encode())
     return h.hexdigest()[:16]

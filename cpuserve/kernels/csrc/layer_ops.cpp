@@ -214,42 +214,58 @@ inline uint16_t bf16_bits(float f) {
 
 inline float bf16_value(uint16_t bits) { return cpk::bits_to_float(uint32_t(bits) << 16); }
 
-// One bf16 row of act_mul, every step vectorizable: act must be branch-free (exp_poly, not libm's).
-// A decode step's 1536-wide SiLU row took 11 us with scalar conversions and std::exp.
+// One row of act_mul, every step vectorizable: act must be branch-free (exp_poly, not libm's). A
+// bf16 row (as bits) rounds where the reference rounds; an fp32 row rounds nowhere. A decode step's
+// 1536-wide SiLU row took 11 us in bf16 with scalar conversions and std::exp; fp32 rows compiled
+// for the baseline ISA were 4% of a batch-8 SmolLM2 step held to AVX2.
 template <typename Act>
-inline void act_mul_bf16_row(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, const Act& act) {
+inline void act_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, const Act& act) {
   for (int64_t i = 0; i < n; ++i) o[i] = bf16_bits(bf16_value(bf16_bits(act(bf16_value(g[i])))) * bf16_value(u[i]));
 }
-
 template <typename Act>
-using Bf16Row = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, const Act&);
+inline void act_mul_row(const float* g, const float* u, float* o, int64_t n, const Act& act) {
+  for (int64_t i = 0; i < n; ++i) o[i] = act(g[i]) * u[i];
+}
+
+template <typename E, typename Act>
+using ActRow = void (*)(const E*, const E*, E*, int64_t, const Act&);
 
 #if defined(__x86_64__)
-template <typename Act>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void act_mul_bf16_avx512(const uint16_t* g, const uint16_t* u,
-                                                                              uint16_t* o, int64_t n, const Act& act) {
-  act_mul_bf16_row(g, u, o, n, act);
+template <typename E, typename Act>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void act_mul_avx512(const E* g, const E* u, E* o, int64_t n,
+                                                                         const Act& act) {
+  act_mul_row(g, u, o, n, act);
 }
-template <typename Act>
-__attribute__((target("avx2,fma"))) void act_mul_bf16_avx2(const uint16_t* g, const uint16_t* u, uint16_t* o,
-                                                           int64_t n, const Act& act) {
-  act_mul_bf16_row(g, u, o, n, act);
+template <typename E, typename Act>
+__attribute__((target("avx2,fma"))) void act_mul_avx2(const E* g, const E* u, E* o, int64_t n, const Act& act) {
+  act_mul_row(g, u, o, n, act);
 }
 #endif
-template <typename Act>
-void act_mul_bf16_portable(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n, const Act& act) {
-  act_mul_bf16_row(g, u, o, n, act);
+template <typename E, typename Act>
+void act_mul_portable(const E* g, const E* u, E* o, int64_t n, const Act& act) {
+  act_mul_row(g, u, o, n, act);
 }
 
-// The widest compilation of the row the variant's CPU features allow.
-template <typename Act>
-Bf16Row<Act> act_mul_bf16_for(const Variant& v) {
+// The widest compilation of the row the variant's CPU features allow (the same floats at each:
+// no contraction, no reassociation).
+template <typename E, typename Act>
+ActRow<E, Act> act_mul_for(const Variant& v) {
 #if defined(__x86_64__)
-  if (v.needs & cpk::kAvx512Vnni) return act_mul_bf16_avx512<Act>;
-  if (v.needs & cpk::kAvx2) return act_mul_bf16_avx2<Act>;
+  if (v.needs & cpk::kAvx512Vnni) return act_mul_avx512<E, Act>;
+  if (v.needs & cpk::kAvx2) return act_mul_avx2<E, Act>;
 #endif
   (void)v;
-  return act_mul_bf16_portable<Act>;
+  return act_mul_portable<E, Act>;
+}
+
+// Rows of E (bf16 as bits, or fp32) through the variant's compilation of the row, rows over the threads.
+template <typename E, typename Act>
+void act_mul_rows(const E* gp, const E* upp, E* op_, int64_t rows, int64_t inter, int64_t gs, int64_t us,
+                  const Variant& variant, const Act& act) {
+  const ActRow<E, Act> row_of = act_mul_for<E, Act>(variant);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) row_of(gp + row * gs, upp + row * us, op_ + row * inter, inter, act);
+  });
 }
 
 // gate, up [R, I] (rows of any stride, I contiguous; typically the two halves of one projection's
@@ -265,13 +281,13 @@ torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, const Variant& varia
   const int64_t rows = gate.size(0), inter = gate.size(1), gs = gate.stride(0), us = up.stride(0);
   auto out = torch::empty({rows, inter}, gate.options());
   if (gate.scalar_type() == at::kBFloat16) {
-    const auto* gp = reinterpret_cast<const uint16_t*>(gate.data_ptr<at::BFloat16>());
-    const auto* upp = reinterpret_cast<const uint16_t*>(up.data_ptr<at::BFloat16>());
-    auto* op_ = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    const Bf16Row<Act> row_of = act_mul_bf16_for<Act>(variant);
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) row_of(gp + row * gs, upp + row * us, op_ + row * inter, inter, act);
-    });
+    act_mul_rows(reinterpret_cast<const uint16_t*>(gate.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(up.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), rows, inter, gs, us, variant, act);
+    return out;
+  }
+  if (gate.scalar_type() == at::kFloat) {
+    act_mul_rows(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gs, us, variant, act);
     return out;
   }
   CPUSERVE_DISPATCH(gate.scalar_type(), "act_mul", [&] {
@@ -291,7 +307,7 @@ torch::Tensor act_mul(torch::Tensor gate, torch::Tensor up, const Variant& varia
   return out;
 }
 
-// silu(gate) * up, e^-x from exp_poly (branch-free: the bf16 rows vectorize). Its clamp is harmless
+// silu(gate) * up, e^-x from exp_poly (branch-free: the rows vectorize). Its clamp is harmless
 // here: below x = -88 silu is x / (1 + 2.4e38), about 0 as it should be; above 87, x. At -inf the
 // clamp would give -inf / 2.4e38 = -inf: NaN there, as torch's -inf * sigmoid(-inf) is (a select).
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, const Variant& variant) {
