@@ -159,9 +159,8 @@ def _sdpa(q, k, v):
     )[0, :, 0]
 
 
-# "avx512": the intrinsics path where the CPU has AVX-512 (else the same as "portable": the template
-# loops compiled per ISA, which CPUSERVE_ISA=generic selects).
-# The host's own variant (AVX-512's key blocks of 16 on such hosts), avx2's key blocks of 8, the portable loops.
+# "host": this CPU's own variant (AVX-512's key blocks of 16 where it has AVX-512); "avx2": AVX2's key
+# blocks of 8 (CPUSERVE_ISA=avx2); "portable": the template loops (CPUSERVE_ISA=generic).
 ATTENTION_PATHS = ["host", "avx2", "portable"]
 
 
@@ -288,6 +287,22 @@ def test_quantized_model_with_native_ops_stays_within_the_schemes_own_noise(kern
     ours = _model_logprobs(path, ids, True, monkeypatch)
     assert _kl(reference, ours) < _kl(float_model, reference)
     assert (reference.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.85
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_a_nan_query_gives_nan_not_a_finite_guess(kernels, monkeypatch, path):
+    """A NaN in one query head (an upstream overflow) reaches that head's output as NaN on every path,
+    as SDPA gives it, never a finite guess; every other head stays exact to budget."""
+    _attention_path(monkeypatch, path)
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 9, 64, generator=gen)
+    q[0, 4, 7] = float("nan")
+    cache_k, cache_v = torch.randn(2, 3, 150, 64, generator=gen), torch.randn(2, 3, 150, 64, generator=gen)
+    got = ops.decode_attention_contiguous(q, cache_k, cache_v)
+    assert got[0, 4].isnan().all()
+    others = [0, 1, 2, 3, 5, 6, 7, 8]  # heads 3 and 5 share head 4's keys and values: still exact
+    assert (got[0, others] - _sdpa(q[0], cache_k[0], cache_v[0])[others]).abs().max() <= 2e-6
+    assert (got[1] - _sdpa(q[1], cache_k[1], cache_v[1])).abs().max() <= 2e-6
 
 
 @pytest.mark.parametrize("variant", ["avx2", "avx512_vnni"])

@@ -89,7 +89,7 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
     }
     const auto live = V::first(nb);
     for (int64_t g = 0; g < group; ++g)
-      V::store_first(scores + g * stride + b0, live, V::mul(V::sum_lanes(partial[g][0]), V::set1(a.scale)));
+      V::store_first(scores + g * stride + b0, live, V::mul(V::sum_lanes(partial[g]), V::set1(a.scale)));
   }
   const float minus_inf = -std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < group; ++g) {

@@ -63,9 +63,9 @@ struct Ymm {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   }
-  static Vec sum_lanes(const float* rows) {
+  static Vec sum_lanes(const float (&rows)[8][8]) {
     Vec v[8];
-    for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(rows + 8 * i);
+    for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(rows[i]);
     __m256 a[4], b[2];
     for (int i = 0; i < 4; ++i)
       a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -78,9 +78,11 @@ struct Ymm {
   }
   // e^x, ~2 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the AVX-512 kernel's degree-6 Taylor
   // polynomial; 2^n written into a float's exponent bits, so x is held to [-87.3, 88] (n in
-  // [-126, 127]) and anything below -87.3 (the softmax's -inf shifted scores included) gives 0.
+  // [-126, 127]) and anything below -87.3 (the softmax's -inf shifted scores included) gives 0, as
+  // does NaN, like AVX-512's exp (a NaN query still gives NaN: its largest score is NaN, and the
+  // merge's weight e^(mx - top) with it).
   static Vec exp(Vec x) {
-    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_NGE_UQ);
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -49,9 +49,9 @@ struct Zmm {
   static Vec keep(Mask m, Vec v) { return _mm512_maskz_mov_ps(m, v); }
   static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
-  static Vec sum_lanes(const float* rows) {
+  static Vec sum_lanes(const float (&rows)[16][16]) {
     Vec v[16];
-    for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(rows + 16 * i);
+    for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(rows[i]);
     __m512 a[8], b[4];
     for (int i = 0; i < 8; ++i)
       a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
