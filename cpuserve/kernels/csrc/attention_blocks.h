@@ -148,7 +148,7 @@ void merge_parts(const AttentionArgs& a, int64_t split, const float* mx, const f
 
 // Splits each (sequence, KV head)'s keys into parts when there are too few of those to give every
 // thread work (SmolLM2: 3 KV heads on 2 threads left one thread idle a third of the time), then merges
-// the parts' softmax statistics. The caller checks fits<V>.
+// the parts' softmax statistics. dispatch checks fits<V> first.
 template <typename V, typename T>
 void run(const AttentionArgs& a, const Parallel& par) {
   const int64_t group = a.hq / a.hkv, d = a.d, jobs = a.n * a.hkv;
@@ -171,9 +171,11 @@ void run(const AttentionArgs& a, const Parallel& par) {
   });
 }
 
-// The cache's element type picks the instance.
+// A variant's decode attention: the blocks where the shape fits them (the cache's element type
+// picks the instance), else `portable` (its ISA's compilation of the portable loops).
 template <typename V>
-void dispatch(const AttentionArgs& a, const Parallel& par) {
+void dispatch(const AttentionArgs& a, const Parallel& par, void (*portable)(const AttentionArgs&, const Parallel&)) {
+  if (!fits<V>(a.d, a.hq / a.hkv)) return portable(a, par);
   if (a.k_scale) return run<V, int8_t>(a, par);
   if (a.dtype == DType::F32) return run<V, float>(a, par);
   if (a.dtype == DType::Bf16) return run<V, Bf16>(a, par);

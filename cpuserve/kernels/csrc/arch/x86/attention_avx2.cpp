@@ -18,31 +18,20 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "../../attention_blocks.h"
+#include "ymm_lanes.h"
 
 namespace cpk {
 namespace {
 
-struct Ymm {
-  using Vec = __m256;
+struct Ymm : YmmLanes {
   using Mask = __m256;  // all ones in the lanes it keeps
-  static constexpr int64_t kLanes = 8;
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec set1(float x) { return _mm256_set1_ps(x); }
-  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  using YmmLanes::load;
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
   static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
   static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec load(const Bf16* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static Vec load(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static Vec load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
   static Mask first(int64_t n) {
     const int live = int(std::min<int64_t>(n, 8));
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -105,8 +94,7 @@ CPK_PORTABLE_ATTENTION(portable_avx2, )
 }  // namespace
 
 void decode_attention_avx2(const AttentionArgs& a, const Parallel& par) {
-  if (!attention_blocks::fits<Ymm>(a.d, a.hq / a.hkv)) return portable_avx2(a, par);
-  attention_blocks::dispatch<Ymm>(a, par);
+  attention_blocks::dispatch<Ymm>(a, par, portable_avx2);
 }
 
 }  // namespace cpk

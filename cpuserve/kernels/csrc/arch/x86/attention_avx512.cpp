@@ -87,8 +87,7 @@ CPK_PORTABLE_ATTENTION(portable_avx512, )
 }  // namespace
 
 void decode_attention_avx512_vnni(const AttentionArgs& a, const Parallel& par) {
-  if (!attention_blocks::fits<Zmm>(a.d, a.hq / a.hkv)) return portable_avx512(a, par);
-  attention_blocks::dispatch<Zmm>(a, par);
+  attention_blocks::dispatch<Zmm>(a, par, portable_avx512);
 }
 
 }  // namespace cpk

@@ -15,25 +15,14 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "../../float_kernel.h"
+#include "ymm_lanes.h"
 
 namespace cpk {
 namespace {
 
-struct Ymm {
-  using Vec = __m256;
-  static constexpr int64_t kLanes = 8;
+struct Ymm : YmmLanes {
   static constexpr int kRows = 6;
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec broadcast(float x) { return _mm256_set1_ps(x); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec load(const Bf16* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static Vec load(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Vec broadcast(float x) { return set1(x); }
 };
 
 }  // namespace
