@@ -12,19 +12,29 @@
 // unit roundoffs of sum |x w| of a double-precision sum over the row-major weights (the worst case
 // of any order of K rounded adds, fused or not), so a misplaced weight, row or column fails.
 //
+// Decode attention (fp32, bf16, fp16 and int8 caches, contiguous and paged, 1 to 3 query heads per
+// KV head, head dims that fit the key blocks and one that does not, lengths over the block tails and
+// long enough to be split in parts and merged): the variant's and the generic twin's outputs each
+// within 1e-6 + (length + D) fp32 unit roundoffs x 4 of a double-precision softmax over the same
+// stored keys and values (|q|, |k|, |v| <= 1), so a wrong key, position, scale or part weight fails.
+//
 // usage: kernel_check [VARIANT]   exit 0 when every check passes
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "float_panels.h"
 #include "linear_driver.h"
 #include "linear_rows.h"
 #include "panel_layout.h"
 #include "quantize.h"
 #include "row_layout.h"
+#include "twins.h"
 
 namespace {
 
@@ -446,6 +456,93 @@ void check_floats(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k) {
   }
 }
 
+// One decode-attention case: n sequences of random lengths up to `longest`, hkv KV heads of `group`
+// query heads, head dimension d, keys/values stored as T (int8 with a scale per row), in a
+// contiguous cache or in a paged one through shuffled slots.
+template <typename T>
+void check_attention(const Variant& v, Rng& rng, int64_t n, int64_t hkv, int64_t group, int64_t d, int64_t longest,
+                     bool paged) {
+  const int64_t hq = hkv * group, batches = paged ? 1 : n, positions = paged ? n * longest : longest;
+  std::vector<int64_t> lengths(n), slots(paged ? n * longest : 0);
+  for (auto& l : lengths) l = rng.range(1, int(longest));
+  lengths[0] = longest;
+  for (int64_t i = 0; i < int64_t(slots.size()); ++i) slots[i] = i;
+  for (int64_t i = int64_t(slots.size()) - 1; i > 0; --i) std::swap(slots[i], slots[rng.next() % uint64_t(i + 1)]);
+  const int64_t elements = batches * positions * hkv * d;
+  std::vector<T> k(elements), val(elements);
+  std::vector<float> k_scale, v_scale, q(n * hq * d), out(n * hq * d), twin(n * hq * d);
+  for (auto& e : q) e = rng.uniform();
+  const bool int8 = std::is_same<T, int8_t>::value;
+  for (int64_t i = 0; i < elements; ++i) {
+    if constexpr (std::is_same<T, int8_t>::value) {
+      k[i] = int8_t(rng.range(-127, 127));
+      val[i] = int8_t(rng.range(-127, 127));
+    } else {
+      k[i] = narrow_to<T>(rng.uniform());
+      val[i] = narrow_to<T>(rng.uniform());
+    }
+  }
+  if (int8) {
+    k_scale.resize(batches * positions * hkv);
+    v_scale.resize(k_scale.size());
+    for (auto& s : k_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
+    for (auto& s : v_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
+  }
+  const cpk::DType dtype = std::is_same<T, cpk::Bf16>::value  ? cpk::DType::Bf16
+                           : std::is_same<T, cpk::F16>::value ? cpk::DType::F16
+                                                              : cpk::DType::F32;
+  const float scale = 1.f / std::sqrt(float(d));
+  cpk::AttentionArgs a{q.data(), k.data(), val.data(), dtype, int8 ? k_scale.data() : nullptr,
+                       int8 ? v_scale.data() : nullptr, positions * hkv, hkv, 1, lengths.data(),
+                       paged ? slots.data() : nullptr, longest, n, hq, hkv, d, positions * hkv * d, hkv * d, d,
+                       longest, scale, out.data()};
+  v.decode_attention(a, kSplit);
+  a.out = twin.data();
+  cpk::decode_attention_generic(a, kSplit);
+  char what[96];
+  std::snprintf(what, sizeof what, "attention, %s cache%s, %lld heads per KV head, D=%lld",
+                int8 ? "int8" : dtype_name(dtype), paged ? " (paged)" : "", (long long)group, (long long)d);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t head = h / group, length = lengths[s];
+      auto at = [&](int64_t l) { return (paged ? slots[s * longest + l] : s * positions + l) * hkv + head; };
+      auto stored = [&](const std::vector<T>& cache, const std::vector<float>& scales, int64_t l, int64_t i) {
+        return double(cpk::to_float(cache[at(l) * d + i])) * (int8 ? double(scales[at(l)]) : 1.0);
+      };
+      std::vector<double> score(length);
+      double top = -1e300, total = 0;
+      for (int64_t l = 0; l < length; ++l) {
+        double dot = 0;
+        for (int64_t i = 0; i < d; ++i) dot += double(q[(s * hq + h) * d + i]) * stored(k, k_scale, l, i);
+        score[l] = dot * double(scale);
+        top = std::max(top, score[l]);
+      }
+      for (auto& e : score) total += (e = std::exp(e - top));
+      const double budget = 1e-6 + 4 * double(length + d) * 5.9604645e-8;
+      for (int64_t i = 0; i < d; ++i) {
+        double ref = 0;
+        for (int64_t l = 0; l < length; ++l) ref += score[l] / total * stored(val, v_scale, l, i);
+        const int64_t at_out = (s * hq + h) * d + i;
+        checks += 2;
+        if (std::fabs(out[at_out] - ref) > budget) fail(what, v.name, n, length, d, group, out[at_out], ref);
+        if (std::fabs(twin[at_out] - ref) > budget) fail(what, "generic", n, length, d, group, twin[at_out], ref);
+      }
+    }
+}
+
+void check_attentions(const Variant& v, Rng& rng) {
+  for (int64_t d : {64, 128, 36, 30})  // 36: ymm's and zmm's portable loops, NEON's blocks; 30: none's blocks
+    for (int64_t group : {1, 3})
+      for (int64_t longest : {1, 5, 17, 300})
+        for (bool paged : {false, true}) {
+          const int64_t n = longest == 300 ? 1 : 3, hkv = longest == 300 ? 1 : 2;  // 300: one job, split in parts
+          check_attention<float>(v, rng, n, hkv, group, d, longest, paged);
+          check_attention<cpk::Bf16>(v, rng, n, hkv, group, d, longest, paged);
+          check_attention<cpk::F16>(v, rng, n, hkv, group, d, longest, paged);
+          check_attention<int8_t>(v, rng, n, hkv, group, d, longest, paged);
+        }
+}
+
 // The dot-peak loop does the multiply-adds it claims: with all-ones operands the lanes' sum is the
 // count, rounds * dot_peak_macs (what the benchmark divides by time).
 void dot_peak_counts(const Variant& v) {
@@ -509,10 +606,11 @@ int main(int argc, char** argv) {
       for (int64_t n : {1, 7, 16, 33, 70})
         for (int64_t k : {1, 3, 64, 577})
           if (m <= 17 || (n == 33 && k == 64)) check_floats(*v, rng, m, n, k);
+    check_attentions(*v, rng);
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
                 "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded), fp16 codes with and without offsets, and "
                 "per-group activations at M 1, 2, 3, 5, 17 (K-quant codes per super-block: %ld linears); float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
-                "the dot-peak loop's count)%s\n",
+                "decode attention, fp32/bf16/fp16/int8 caches, contiguous and paged; the dot-peak loop's count)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name, fold_shapes - folds_before,
                 v == &best ? " [selected]" : "");

@@ -60,12 +60,12 @@ const Variant kArch[] = {
 #elif defined(__aarch64__)
 const Variant kArch[] = {
     {"neon", 4, 0, I8::SignedRows, I4::TwosComplementRows, w8a8_neon, w4a8_neon, QR(quantize_row_generic),
-     decode_attention_generic, &kTwosComplementTwin, true, float_linear_neon, dot_peak_neon, kDotPeakNeonMacs},
+     decode_attention_neon, &kTwosComplementTwin, true, float_linear_neon, dot_peak_neon, kDotPeakNeonMacs},
     {"neon_dotprod", 5, kArmDotprod, I8::SignedRows, I4::TwosComplementRows, w8a8_neon_dotprod, w4a8_neon_dotprod,
-     QR(quantize_row_generic), decode_attention_generic, &kTwosComplementTwin, true, float_linear_neon,
+     QR(quantize_row_generic), decode_attention_neon, &kTwosComplementTwin, true, float_linear_neon,
      dot_peak_neon_dotprod, kDotPeakDotprodMacs},
     {"neon_i8mm", 6, kArmDotprod | kArmI8mm, I8::SignedRows, I4::TwosComplementRows, w8a8_neon_i8mm, w4a8_neon_i8mm,
-     QR(quantize_row_generic), decode_attention_generic, &kTwosComplementTwin, true, float_linear_neon,
+     QR(quantize_row_generic), decode_attention_neon, &kTwosComplementTwin, true, float_linear_neon,
      dot_peak_neon_i8mm, kDotPeakI8mmMacs},
 };
 #endif
