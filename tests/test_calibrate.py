@@ -117,7 +117,7 @@ def test_smoothing_keeps_the_function_and_flattens_the_activations(smol_dir):
     layer = model.model.layers[0]
     cos, sin = model.rope_tables(torch.arange(ids.shape[1]))[0]  # float32 model: float32 tables
     h = model.model.embed_tokens(ids)
-    backend = ContiguousAttention(None, 0, gqa=True)
+    backend = ContiguousAttention(None, 0)
     stats = _record_inputs(layer, lambda: layer(h, cos, sin, 0, backend))
     peak = stats["self_attn.q_proj"].absmax
     qkv = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]

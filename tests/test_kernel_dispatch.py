@@ -1,6 +1,6 @@
 """The chosen variant reaches every native op: with CPUSERVE_ISA=X, the kernels' per-variant dispatch
 counters (one relaxed atomic increment per op call) show only X's table row, for the linears, the
-activation quantizer, the float ops, decode attention and a whole native decode step. A variant this
+activation quantizer, the float ops, decode and prefill attention and a whole native decode step. A variant this
 CPU lacks is skipped with its name, never run on another path."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from cpuserve.quant.rtn import quantize_weight
 
 X86 = ["avx512_vnni", "avx_vnni", "avx2", "generic"]
 ARM = ["neon_i8mm", "neon_dotprod", "neon", "generic"]
-FLOAT_OPS = {"rms_norm", "add_rms_norm", "rope", "silu_mul", "decode_attention"}
+FLOAT_OPS = {"rms_norm", "add_rms_norm", "rope", "silu_mul", "decode_attention", "prefill_attention"}
 LINEAR_OPS = {"w8a8_linear", "w4a8_linear", "quantize_rows", "float_linear"}
 
 
@@ -56,6 +56,10 @@ def _run_every_op(kernels) -> None:
     slots = torch.arange(40).view(2, 20)
     paged = torch.randn(40, 2, 64, generator=gen)
     ops.decode_attention_paged(torch.randn(2, 4, 64, generator=gen), paged, paged, slots, torch.tensor([20, 7]))
+    ops.prefill_attention_contiguous(
+        torch.randn(2, 5, 4, 64, generator=gen), cache[:, :, :9].transpose(1, 2), cache[:, :, :9].transpose(1, 2)
+    )
+    ops.prefill_attention_paged(torch.randn(6, 4, 64, generator=gen), paged, paged, slots[0, :9], window=4)
     variant = selected_variant()
     q8, s8 = quantize_weight(torch.randn(48, 256, generator=gen), WeightQuant(8, None, False))
     kernels.w8a8_linear(x, kernels.pack_int8(q8, variant), s8.float().view(-1), None, variant)
@@ -71,6 +75,7 @@ def test_every_op_runs_as_the_selected_variant(kernels, isa):
     assert set(counts) == {isa}, counts
     assert set(counts[isa]) == FLOAT_OPS | LINEAR_OPS, counts
     assert counts[isa]["decode_attention"] == 2 and counts[isa]["quantize_rows"] == 2
+    assert counts[isa]["prefill_attention"] == 2
 
 
 @pytest.fixture(scope="module")

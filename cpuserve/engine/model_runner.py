@@ -41,7 +41,6 @@ class ModelRunner:
         self.cache = PagedKVCache(
             spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, model.dtype, int8=kv_int8
         )
-        self.gqa = spec.num_heads != spec.num_kv_heads
         self._masks: MaskComputer | None = None  # made when the first constrained row samples
 
     @property
@@ -138,7 +137,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         """The forward pass and the logits the step needs (no sampling)."""
         input_ids, positions, meta = self._metadata(batch)
-        hidden = self.model.forward_tokens(input_ids, positions, PagedAttention(self.cache, meta, self.gqa))
+        hidden = self.model.forward_tokens(input_ids, positions, PagedAttention(self.cache, meta))
         samplers, rows, prompt_logits = [], [], {}
         num_sampled = batch.num_sampled
         row = 0

@@ -4,10 +4,11 @@ K/V live in per-layer slot arrays [num_blocks * block_size, Hkv, D]; a sequence'
 position p is in slot block_table[p // block_size] * block_size + p % block_size. Decodes are
 batched into one grouped attention call (ops.decode_attention_paged: natively, each sequence reads
 its own slots straight from the cache; in the torch reference, gathered, padded to the longest
-context and masked; each KV head read once for the query heads that share it); each prefill chunk is one SDPA call with
-a causal mask offset by what is already cached (GQA passed as enable_gqa). An int8 cache
-(engine/kv_int8.py) is written quantized and read back as int8 times each row's scale: natively
-inside the decode attention, dequantized for a prefill chunk's SDPA.
+context and masked; each KV head read once for the query heads that share it); each prefill chunk is
+one call (ops.prefill_attention_paged: natively, flash-style query and key blocks reading the chunk's
+context slots in place; in the torch reference, gathered for SDPA with a causal mask offset by what is
+already cached). An int8 cache (engine/kv_int8.py) is written quantized and read back as int8 times
+each row's scale: natively inside both attentions, dequantized for the reference's SDPA.
 
 A sliding-window layer sees only each query's last `window` positions: its decodes get only those
 slots (so the native attention never reads an older key), its prefill chunks only the cached keys
@@ -20,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from cpuserve.engine.kv_int8 import dequantize_kv, quantize_kv
+from cpuserve.engine.kv_int8 import quantize_kv
 from cpuserve.model import ops
 from cpuserve.model.native_decode import DecodeCache
 
@@ -71,13 +71,6 @@ class PagedKVCache:
         self.k[layer][slots], self.k_scale[layer][slots] = quantize_kv(k)
         self.v[layer][slots], self.v_scale[layer][slots] = quantize_kv(v)
 
-    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these slots [..., Hkv, D] in `dtype` (dequantized from an int8 cache)."""
-        k, v = self.k[layer][slots], self.v[layer][slots]
-        if self.k_scale is None or self.v_scale is None:
-            return k, v
-        return dequantize_kv(k, self.k_scale[layer][slots], dtype), dequantize_kv(v, self.v_scale[layer][slots], dtype)
-
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of token positions start..end-1 of a sequence."""
         pos = torch.arange(start, end)
@@ -115,8 +108,8 @@ def window_slots(slots: torch.Tensor, lengths: torch.Tensor, window: int) -> tup
 class PagedAttention:
     """The decoder's AttentionBackend for one engine step."""
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, gqa: bool) -> None:
-        self.cache, self.meta, self.gqa = cache, meta, gqa
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        self.cache, self.meta = cache, meta
         self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # window -> decode slots, lengths
 
     def _decode_context(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,15 +159,10 @@ class PagedAttention:
                 q[meta.decode_rows], cache.k[layer], cache.v[layer], slots, lengths, scale, *scales
             )
         for chunk in meta.prefills:
-            t, cached = chunk.rows.stop - chunk.rows.start, chunk.num_cached
             # The first cached position the chunk's first query still sees (a window hides older ones).
-            first = 0 if window is None else max(0, cached - window + 1)
-            context = chunk.context_slots[first:]
-            query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, t, D]
-            keys, values = (x.transpose(0, 1).unsqueeze(0) for x in cache.read(layer, context, q.dtype))
-            mask = ops.causal_window_mask(t, cached - first, window)
-            o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, scale=scale, enable_gqa=self.gqa
+            first = 0 if window is None else max(0, chunk.num_cached - window + 1)
+            scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.int8 else (None, None)  # type: ignore[index]
+            out[chunk.rows] = ops.prefill_attention_paged(
+                q[chunk.rows], cache.k[layer], cache.v[layer], chunk.context_slots[first:], window, scale, *scales
             )
-            out[chunk.rows] = o[0].transpose(0, 1)
         return out

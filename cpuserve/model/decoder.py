@@ -18,7 +18,6 @@ import logging
 from typing import ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cpuserve.model import native_decode, ops
@@ -78,8 +77,8 @@ class KVCache:
 class ContiguousAttention:
     """Batched [B, T] attention over a KVCache (or over the new tokens alone without one)."""
 
-    def __init__(self, cache: KVCache | None, start: int, gqa: bool, new_tokens: int = 0) -> None:
-        self.cache, self.start, self.gqa, self.new_tokens = cache, start, gqa, new_tokens
+    def __init__(self, cache: KVCache | None, start: int, new_tokens: int = 0) -> None:
+        self.cache, self.start, self.new_tokens = cache, start, new_tokens
 
     def decode_cache(self) -> DecodeCache | None:
         """For the native decode step: one new token per sequence, written at position start."""
@@ -125,11 +124,7 @@ class ContiguousAttention:
             b, hq, _, d = q.shape
             return ops.decode_attention_contiguous(q.reshape(b, hq, d), k, v, scale).view(b, 1, hq, d)
         # Query i is key (start - first) + i of the keys kept.
-        mask = ops.causal_window_mask(t, start - first, window)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=self.gqa
-        )
-        return out.transpose(1, 2)
+        return ops.prefill_attention_contiguous(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window, scale)
 
 
 class Attention(nn.Module):
@@ -341,7 +336,7 @@ class CausalLM(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None and start + t > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens; {start + t} requested")
-        backend = ContiguousAttention(cache, start, self.spec.num_heads != self.spec.num_kv_heads, new_tokens=t)
+        backend = ContiguousAttention(cache, start, new_tokens=t)
         h = self.forward_tokens(input_ids, torch.arange(start, start + t), backend)
         if cache is not None:
             cache.length = start + t

@@ -135,6 +135,25 @@ def decode_attention_reference(
     return torch.matmul(probs, values.float()).view(n, hq, d).to(q.dtype)
 
 
+def prefill_attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """q [B, T, Hq, D] new tokens; keys/values [B, L, Hkv, D] every key they see, the T new ones last
+    (query i is key L - T + i); causal, with a sliding window if given. torch's SDPA, in q's dtype."""
+    t, offset = q.shape[1], keys.shape[1] - q.shape[1]
+    mask = causal_window_mask(t, offset, window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None and t > 1,
+        scale=scale,
+        enable_gqa=q.shape[2] != keys.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
 def token_logprobs_reference(
     logits: torch.Tensor, chosen: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,6 +272,63 @@ def decode_attention_contiguous(
     lengths = torch.full((b,), length, dtype=torch.long)
     scale = d**-0.5 if scale is None else scale
     return module.decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), None, lengths, scale, _variant())
+
+
+def prefill_attention_contiguous(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """q [B, T, Hq, D] new tokens; keys/values [B, L, Hkv, D] (views of the contiguous cache, D
+    contiguous) every key they see, the T new ones last; causal, with a sliding window if given.
+    Natively: flash-style blocks reading the cache in place (prefill_attention.h); else torch's SDPA."""
+    module = _use_native(q, keys)
+    if module is None or keys.stride(-1) != 1 or keys.stride() != values.stride():
+        return prefill_attention_reference(q, keys, values, window, scale)
+    d = q.shape[-1]
+    return module.prefill_attention(
+        q, keys, values, None, keys.shape[1], window or 0, d**-0.5 if scale is None else scale, _variant()
+    )
+
+
+def prefill_attention_paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D] one sequence's new tokens; caches [S, Hkv, D]; slots [L] the slots of every key
+    they see, the T new ones last; causal, with a sliding window if given. An int8 cache comes with
+    its row scales [S, Hkv]. Natively the keys are read in their slots; the reference gathers them
+    (dequantized) for SDPA."""
+    int8 = key_scale is not None
+    if int8 != (value_scale is not None):
+        raise ValueError("prefill_attention_paged: an int8 cache needs both its key and its value scales")
+    module = _use_native(q) if int8 else _use_native(q, key_cache)
+    if module is None:
+        keys, values = key_cache[slots], value_cache[slots]
+        if key_scale is not None and value_scale is not None:
+            from cpuserve.engine.kv_int8 import dequantize_kv  # the cache's own format
+
+            keys = dequantize_kv(keys, key_scale[slots], q.dtype)
+            values = dequantize_kv(values, value_scale[slots], q.dtype)
+        return prefill_attention_reference(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), window, scale)[0]
+    d = q.shape[-1]
+    out = module.prefill_attention(
+        q.unsqueeze(0),
+        key_cache.unsqueeze(0),
+        value_cache.unsqueeze(0),
+        slots,
+        slots.shape[0],
+        window or 0,
+        d**-0.5 if scale is None else scale,
+        _variant(),
+        None if key_scale is None else key_scale.unsqueeze(0),
+        None if value_scale is None else value_scale.unsqueeze(0),
+    )
+    return out[0]
 
 
 def decode_attention_paged(

@@ -182,7 +182,7 @@ def calibrate_and_quantize(
     spec = model.spec
     t = windows.shape[1]
     tables = model.rope_tables(torch.arange(t))  # each layer's (longrope: attention-scaled)
-    backend = ContiguousAttention(None, 0, gqa=spec.num_heads != spec.num_kv_heads)
+    backend = ContiguousAttention(None, 0)
     with torch.no_grad():
         h = model.model.embed_tokens(windows).float()
         if spec.embedding_scale != 1.0:

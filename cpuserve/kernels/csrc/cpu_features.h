@@ -12,6 +12,7 @@ enum Feature : uint32_t {
   kAvx2 = 1u << 0,  // with FMA
   kAvx512Vnni = 1u << 1,  // AVX-512 F, BW, VL and VNNI
   kAvxVnni = 1u << 2,  // VEX-encoded VNNI (vpdpbusd on ymm)
+  kAvx512Bf16 = 1u << 3,  // vdpbf16ps (no variant needs it: prefill attention's bf16 pairs use it where present)
   kArmDotprod = 1u << 8,  // sdot
   kArmI8mm = 1u << 9,  // smmla
 };

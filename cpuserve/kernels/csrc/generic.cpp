@@ -2,6 +2,7 @@
 // variant; two's-complement: the Arm variants' twin), the panel layouts (the x86 variants' twins) and
 // decode attention at the baseline ISA.
 #include "attention.h"
+#include "prefill_attention.h"
 #include "linear_rows.h"
 #include "panel_twin.h"
 #include "quantize.h"
@@ -26,5 +27,6 @@ void w8a8_generic_signed_panels(const LinearArgs& a, int64_t p0, int64_t p1) { w
 void w4a8_generic_panels(const LinearArgs& a, int64_t p0, int64_t p1) { w4a8_panels_twin(a, p0, p1); }
 
 CPK_PORTABLE_ATTENTION(decode_attention_generic, )
+CPK_PORTABLE_PREFILL(prefill_attention_generic, )
 
 }  // namespace cpk

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "prefill_attention.h"
 #include "float_panels.h"
 #include "linear_driver.h"
 #include "linear_rows.h"
@@ -543,6 +544,115 @@ void check_attentions(const Variant& v, Rng& rng) {
         }
 }
 
+// One prefill-attention case: b sequences of t new tokens with `context` keys each (a contiguous
+// cache; paged: one sequence through shuffled slots), hkv KV heads of `group` query heads, head
+// dimension d, an optional window, keys/values stored as T. bf16_queries: the queries are bf16
+// values and say so (q_bf16), which lets a variant with AVX512_BF16 take its bf16 pairs; its
+// probabilities are then rounded to bf16 (relative error 2^-9 each), so the budget gains
+// 2^-8 * the largest |value| (1 here).
+template <typename T>
+void check_prefill(const Variant& v, Rng& rng, int64_t b, int64_t t, int64_t context, int64_t window, int64_t hkv,
+                   int64_t group, int64_t d, bool paged, bool bf16_queries = false) {
+  const int64_t hq = hkv * group, positions = paged ? context + 7 : context;
+  std::vector<int64_t> slots(paged ? context : 0);
+  if (paged) {
+    std::vector<int64_t> all(positions);
+    for (int64_t i = 0; i < positions; ++i) all[i] = i;
+    for (int64_t i = positions - 1; i > 0; --i) std::swap(all[i], all[rng.next() % uint64_t(i + 1)]);
+    std::copy(all.begin(), all.begin() + context, slots.begin());
+  }
+  const bool int8 = std::is_same<T, int8_t>::value;
+  const int64_t elements = b * positions * hkv * d;
+  std::vector<T> k(elements), val(elements);
+  std::vector<float> k_scale, v_scale, q(b * t * hq * d), out(q.size()), twin(q.size());
+  for (auto& e : q) e = bf16_queries ? cpk::to_float(narrow_to<cpk::Bf16>(rng.uniform())) : rng.uniform();
+  for (int64_t i = 0; i < elements; ++i) {
+    if constexpr (std::is_same<T, int8_t>::value) {
+      k[i] = int8_t(rng.range(-127, 127));
+      val[i] = int8_t(rng.range(-127, 127));
+    } else {
+      k[i] = narrow_to<T>(rng.uniform());
+      val[i] = narrow_to<T>(rng.uniform());
+    }
+  }
+  if (int8) {
+    k_scale.resize(b * positions * hkv);
+    v_scale.resize(k_scale.size());
+    for (auto& s : k_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
+    for (auto& s : v_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
+  }
+  const cpk::DType dtype = std::is_same<T, cpk::Bf16>::value  ? cpk::DType::Bf16
+                           : std::is_same<T, cpk::F16>::value ? cpk::DType::F16
+                                                              : cpk::DType::F32;
+  const float scale = 1.f / std::sqrt(float(d));
+  cpk::PrefillArgs a{};
+  a.q = q.data(), a.k = k.data(), a.v = val.data(), a.dtype = dtype;
+  a.k_scale = int8 ? k_scale.data() : nullptr, a.v_scale = int8 ? v_scale.data() : nullptr;
+  a.sb = positions * hkv, a.ss = hkv, a.sh = 1;
+  a.slots = paged ? slots.data() : nullptr;
+  a.b = b, a.t = t, a.hq = hq, a.hkv = hkv, a.d = d, a.kb = positions * hkv * d, a.ks = hkv * d, a.kh = d;
+  a.context = context, a.window = window, a.scale = scale, a.out = out.data(), a.q_bf16 = bf16_queries;
+  v.prefill_attention(a, kSplit);
+  a.out = twin.data();
+  cpk::prefill_attention_generic(a, kSplit);
+  char what[128];
+  std::snprintf(what, sizeof what, "prefill attention, %s cache%s%s, T=%lld of %lld keys, window %lld, group %lld, D=%lld",
+                int8 ? "int8" : dtype_name(dtype), paged ? " (paged)" : "", bf16_queries ? ", bf16 queries" : "",
+                (long long)t, (long long)context, (long long)window, (long long)group, (long long)d);
+  for (int64_t s = 0; s < b; ++s)
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t head = h / group, last = context - t + i;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+        auto at = [&](int64_t l) { return (s * positions + (paged ? slots[l] : l)) * hkv + head; };
+        auto stored = [&](const std::vector<T>& cache, const std::vector<float>& scales, int64_t l, int64_t x) {
+          return double(cpk::to_float(cache[at(l) * d + x])) * (int8 ? double(scales[at(l)]) : 1.0);
+        };
+        const float* qr = q.data() + ((s * t + i) * hq + h) * d;
+        std::vector<double> score(last + 1);
+        double top = -1e300, total = 0;
+        for (int64_t l = first; l <= last; ++l) {
+          double dot = 0;
+          for (int64_t x = 0; x < d; ++x) dot += double(qr[x]) * stored(k, k_scale, l, x);
+          score[l] = dot * double(scale);
+          top = std::max(top, score[l]);
+        }
+        for (int64_t l = first; l <= last; ++l) total += (score[l] = std::exp(score[l] - top));
+        const double budget = 1e-6 + 4 * double(last - first + 1 + d) * 5.9604645e-8;
+        const double rounded = bf16_queries ? 1.0 / 256 : 0.0;  // the bf16 pairs' probabilities
+        for (int64_t x = 0; x < d; ++x) {
+          double ref = 0;
+          for (int64_t l = first; l <= last; ++l) ref += score[l] / total * stored(val, v_scale, l, x);
+          const int64_t o = ((s * t + i) * hq + h) * d + x;
+          checks += 2;
+          if (std::fabs(out[o] - ref) > budget + rounded) fail(what, v.name, t, context, d, group, out[o], ref);
+          if (std::fabs(twin[o] - ref) > budget) fail(what, "generic", t, context, d, group, twin[o], ref);
+        }
+      }
+}
+
+void check_prefills(const Variant& v, Rng& rng) {
+  struct Case {
+    int64_t t, context, window;
+  };
+  // 1 token; a short prompt; blocks of 64 keys cut by the diagonal; a chunk behind cached keys; a
+  // window inside the context and one shorter than a key block.
+  const Case cases[] = {{1, 1, 0}, {5, 5, 0}, {70, 70, 0}, {40, 150, 0}, {33, 200, 50}, {64, 64, 16}};
+  for (int64_t d : {64, 36, 30})  // 36: ymm's and zmm's portable loops, NEON's blocks; 30: nobody's blocks
+    for (int64_t group : {1, 3})
+      for (const Case& c : cases)
+        for (bool paged : {false, true}) {
+          const int64_t b = paged ? 1 : 2, hkv = 2;
+          check_prefill<float>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged);
+          check_prefill<cpk::Bf16>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged);
+          check_prefill<cpk::Bf16>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged, true);
+          check_prefill<cpk::F16>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged);
+          check_prefill<int8_t>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged);
+        }
+  for (bool bf16_queries : {false, true})  // the 2B shape's head dimension and group, one long-ish case
+    check_prefill<cpk::Bf16>(v, rng, 1, 100, 300, 0, 2, 8, 128, true, bf16_queries);
+}
+
 // The dot-peak loop does the multiply-adds it claims: with all-ones operands the lanes' sum is the
 // count, rounds * dot_peak_macs (what the benchmark divides by time).
 void dot_peak_counts(const Variant& v) {
@@ -607,10 +717,11 @@ int main(int argc, char** argv) {
         for (int64_t k : {1, 3, 64, 577})
           if (m <= 17 || (n == 33 && k == 64)) check_floats(*v, rng, m, n, k);
     check_attentions(*v, rng);
+    check_prefills(*v, rng);
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
                 "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded), fp16 codes with and without offsets, and "
                 "per-group activations at M 1, 2, 3, 5, 17 (K-quant codes per super-block: %ld linears); float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
-                "decode attention, fp32/bf16/fp16/int8 caches, contiguous and paged; the dot-peak loop's count)%s\n",
+                "decode and prefill attention, fp32/bf16/fp16/int8 caches, contiguous and paged, windows; the dot-peak loop's count)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name, fold_shapes - folds_before,
                 v == &best ? " [selected]" : "");

@@ -25,6 +25,7 @@
 
 #include "cpu_features.h"
 #include "linear_driver.h"
+#include "prefill_attention.h"
 #include "ops.h"
 
 namespace {
@@ -389,6 +390,61 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
 
+// T new tokens per sequence against every key they see, causal (query i is key context - T + i),
+// with an optional sliding window (0: none), softmax in fp32. q [B, T, Hq, D]; k, v [B, S, Hkv, D]
+// (D contiguous, any other strides): key l of sequence b at position l, or with slots [L] int64
+// (the paged cache, B == 1) at slots[l]; context = L keys. Returns [B, T, Hq, D] in q's dtype.
+// An int8 cache comes with k_scale, v_scale [B, S, Hkv] fp32.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
+                                int64_t context, int64_t window, double scale, const Variant& variant,
+                                c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "prefill_attention: q [B, T, Hq, D], k/v [B, S, Hkv, D]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(), "prefill_attention: k and v must match");
+  TORCH_CHECK(k.stride(3) == 1, "prefill_attention: the head dimension must be contiguous");
+  check_same_dtype(k, v, "prefill_attention");
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = k.size(2);
+  TORCH_CHECK(k.size(3) == d && hq % hkv == 0, "prefill_attention: head shapes do not fit");
+  TORCH_CHECK(t >= 1 && context >= t && window >= 0, "prefill_attention: needs 1 <= T <= context, window >= 0");
+  cpk::PrefillArgs a{};
+  torch::Tensor sl;
+  if (slots.has_value()) {
+    sl = slots->to(torch::kLong).contiguous();
+    TORCH_CHECK(b == 1 && k.size(0) == 1 && sl.dim() == 1 && sl.size(0) == context,
+                "prefill_attention: slots [context] for one sequence of a [1, S, Hkv, D] cache");
+    const int64_t* sp = sl.data_ptr<int64_t>();
+    for (int64_t i = 0; i < context; ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(1), "prefill_attention: slot ", sp[i], " outside the cache");
+    a.slots = sp;
+  } else {
+    TORCH_CHECK(k.size(0) >= b && context <= k.size(1), "prefill_attention: the context exceeds the cache");
+  }
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({b, t, hq, d}, torch::kFloat32);
+  const bool int8 = k.scalar_type() == torch::kInt8;
+  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(),
+              "prefill_attention: an int8 cache needs its k and v scales, a float cache none");
+  if (int8) {
+    for (const auto* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == torch::kFloat32 && s->dim() == 3 && s->sizes() == k.sizes().slice(0, 3),
+                  "prefill_attention: int8 cache scales must be fp32 [B, S, Hkv]");
+    TORCH_CHECK(k_scale->strides() == v_scale->strides(), "prefill_attention: k and v scales must match");
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+    a.sb = k_scale->stride(0), a.ss = k_scale->stride(1), a.sh = k_scale->stride(2);
+  } else {
+    a.dtype = float_dtype(k, "prefill_attention: cache");
+  }
+  a.q = qf.data_ptr<float>();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.b = b, a.t = t, a.hq = hq, a.hkv = hkv, a.d = d, a.kb = k.stride(0), a.ks = k.stride(1), a.kh = k.stride(2);
+  a.context = context, a.window = window, a.q_bf16 = q.scalar_type() == torch::kBFloat16;
+  a.scale = static_cast<float>(scale);
+  a.out = out.data_ptr<float>();
+  cpk::prefill_attention(variant, torch_parallel(), a);
+  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+}
+
 // The sampler's logprobs for the rows that ask: each row's chosen-token logprob, its rank (1 = most
 // likely) and its k most likely tokens, in one pass over the raw logits after a vectorized logsumexp
 // (ATen's). Rank and order are the logits' own (log_softmax subtracts one constant per row). The
@@ -467,6 +523,12 @@ void register_layer_ops(pybind11::module& mod) {
           pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("lengths"),
           pybind11::arg("scale"), pybind11::arg("variant"), pybind11::arg("k_scale") = pybind11::none(),
           pybind11::arg("v_scale") = pybind11::none());
+  mod.def("prefill_attention", &prefill_attention, nogil(),
+          "new tokens against every key they see (causal, optional sliding window) over the contiguous or paged KV "
+          "cache (int8 with its row scales, or float)",
+          pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slots"), pybind11::arg("context"),
+          pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("variant"),
+          pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   mod.def("token_logprobs", &token_logprobs, nogil(),
           "per row: chosen token's logprob, its rank, the top-k ids and logprobs {chosen_lp, rank, ids, lps}");
 }

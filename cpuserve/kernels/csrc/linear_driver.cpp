@@ -411,4 +411,9 @@ void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs
   v.decode_attention(a, par);
 }
 
+void prefill_attention(const Variant& v, const Parallel& par, const PrefillArgs& a) {
+  count(v, kPrefillAttention);
+  v.prefill_attention(a, par);
+}
+
 }  // namespace cpk

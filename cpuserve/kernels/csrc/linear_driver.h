@@ -87,5 +87,6 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
 void float_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, DType wtype, int64_t n,
                   float* out);
 void decode_attention(const Variant& v, const Parallel& par, const AttentionArgs& a);
+void prefill_attention(const Variant& v, const Parallel& par, const PrefillArgs& a);
 
 }  // namespace cpk

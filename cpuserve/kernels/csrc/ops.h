@@ -40,6 +40,9 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up, const Variant&
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
                                torch::Tensor lengths, double scale, const Variant& variant,
                                c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> slots,
+                                int64_t context, int64_t window, double scale, const Variant& variant,
+                                c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
 
 // torch's pinned OpenMP pool (at::parallel_for) as the kernels' Parallel: no second runtime.
 cpk::Parallel torch_parallel();

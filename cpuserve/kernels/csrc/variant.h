@@ -66,12 +66,14 @@ struct FloatArgs {
 };
 
 struct AttentionArgs;  // attention.h
+struct PrefillArgs;    // prefill_attention.h
 
 // Output columns [begin, end) (row layouts) or panels [begin, end) (panel layouts) of a linear.
 using LinearKernel = void (*)(const LinearArgs&, int64_t begin, int64_t end);
 // One token: scale, int8 values and per-group sums (group 0: none), bit-identical to the twin.
 using QuantizeRow = void (*)(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
 using DecodeAttention = void (*)(const AttentionArgs&, const Parallel&);
+using PrefillAttention = void (*)(const PrefillArgs&, const Parallel&);
 // Float panels [begin, end) of an unquantized linear.
 using FloatKernel = void (*)(const FloatArgs&, int64_t begin, int64_t end);
 
@@ -84,6 +86,7 @@ struct Variant {
   LinearKernel w8a8, w4a8;
   QuantizeRow quantize_row;
   DecodeAttention decode_attention;
+  PrefillAttention prefill_attention;
   const Variant* twin;  // the scalar twin of its layouts (itself for a twin)
   bool w4_exact;        // W4A8 bit-identical to the twin (else within kernel_check's budget)
   FloatKernel float_linear;  // unquantized linears (float_panels.h; the twin: float_panels_twin)
@@ -94,11 +97,11 @@ struct Variant {
 
 // The ops counted per variant: one relaxed atomic increment per call, so a test can show which
 // row served every native op.
-enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kFloatLinear, kGeluMul, kOpCount };
+enum Op { kW8A8, kW4A8, kQuantize, kDecodeAttention, kRmsNorm, kAddRmsNorm, kRope, kSiluMul, kFloatLinear, kGeluMul, kPrefillAttention, kOpCount };
 inline const char* op_name(int op) {
   static const char* names[kOpCount] = {"w8a8_linear", "w4a8_linear", "quantize_rows",  "decode_attention",
                                         "rms_norm",    "add_rms_norm", "rope",          "silu_mul",     "float_linear",
-                                        "gelu_tanh_mul"};
+                                        "gelu_tanh_mul", "prefill_attention"};
   return names[op];
 }
 

@@ -1,4 +1,5 @@
-// Every Armv8 variant's decode attention: the key blocks of attention_blocks.h on q registers (4
+// Every Armv8 variant's attention. Prefill: the query and key blocks of prefill_blocks.h on q
+// registers (fp32). Decode: the key blocks of attention_blocks.h on q registers (4
 // keys a block, the exp's power of two built in the exponent bits; all Armv8.0 instructions, so
 // neon, neon_dotprod and neon_i8mm share it). Shapes it does not fit (head dimension not a multiple
 // of 4 or over 256, over 16 query heads per KV head) run the portable loops.
@@ -14,6 +15,8 @@
 
 #include "../../attention.h"
 #include "../../attention_blocks.h"
+#include "../../prefill_attention.h"
+#include "../../prefill_blocks.h"
 #include "kernels.h"
 #include "neon_lanes.h"
 
@@ -86,11 +89,16 @@ struct Neon : NeonLanes {
 };
 
 CPK_PORTABLE_ATTENTION(portable_neon, )
+CPK_PORTABLE_PREFILL(portable_prefill_neon, )
 
 }  // namespace
 
 void decode_attention_neon(const AttentionArgs& a, const Parallel& par) {
   attention_blocks::dispatch<Neon>(a, par, portable_neon);
+}
+
+void prefill_attention_neon(const PrefillArgs& a, const Parallel& par) {
+  prefill_blocks::dispatch<Neon>(a, par, portable_prefill_neon);
 }
 
 }  // namespace cpk

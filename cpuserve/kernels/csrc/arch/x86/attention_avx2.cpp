@@ -1,4 +1,5 @@
-// avx2's (and avx_vnni's) decode attention: the key blocks of attention_blocks.h on ymm (8 keys a
+// avx2's (and avx_vnni's) attention. Prefill: the query and key blocks of prefill_blocks.h on ymm
+// (fp32). Decode: the key blocks of attention_blocks.h on ymm (8 keys a
 // block, lane masks for the tails, the exp's power of two built in the exponent bits). Shapes it
 // does not fit (head dimension not a multiple of 8 or over 256, over 16 query heads per KV head)
 // run the portable loops compiled for AVX2.
@@ -12,12 +13,14 @@
 #include <vector>
 
 #include "../../attention.h"
+#include "../../prefill_attention.h"
 #include "kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
 #include "../../attention_blocks.h"
+#include "../../prefill_blocks.h"
 #include "ymm_lanes.h"
 
 namespace cpk {
@@ -90,11 +93,16 @@ struct Ymm : YmmLanes {
 };
 
 CPK_PORTABLE_ATTENTION(portable_avx2, )
+CPK_PORTABLE_PREFILL(portable_prefill_avx2, )
 
 }  // namespace
 
 void decode_attention_avx2(const AttentionArgs& a, const Parallel& par) {
   attention_blocks::dispatch<Ymm>(a, par, portable_avx2);
+}
+
+void prefill_attention_avx2(const PrefillArgs& a, const Parallel& par) {
+  prefill_blocks::dispatch<Ymm>(a, par, portable_prefill_avx2);
 }
 
 }  // namespace cpk

@@ -14,6 +14,7 @@ uint32_t cpu_features() {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
       f |= kAvx512Vnni;
     if (__builtin_cpu_supports("avxvnni")) f |= kAvxVnni;
+    if ((f & kAvx512Vnni) && __builtin_cpu_supports("avx512bf16")) f |= kAvx512Bf16;
     return f;
   }();
   return features;

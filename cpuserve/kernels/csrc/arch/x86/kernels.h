@@ -12,6 +12,8 @@ void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1);
 void quantize_row_avx2(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
 // attention_avx2.cpp: decode attention in key blocks of 8 (attention_blocks.h).
 void decode_attention_avx2(const AttentionArgs& a, const Parallel& par);
+// ... and prefill attention in query and key blocks (prefill_blocks.h).
+void prefill_attention_avx2(const PrefillArgs& a, const Parallel& par);
 // float_avx2.cpp: the float panel kernel on ymm (FMA, F16C widening), also avx_vnni's.
 void float_linear_avx2(const FloatArgs& a, int64_t p0, int64_t p1);
 
@@ -25,6 +27,8 @@ void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1);
 void quantize_row_avx512_vnni(const float* x, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sums);
 void decode_attention_avx512_vnni(const AttentionArgs& a, const Parallel& par);
+// ... and prefill attention in query and key blocks (prefill_blocks.h; bf16 pairs with AVX512_BF16).
+void prefill_attention_avx512_vnni(const PrefillArgs& a, const Parallel& par);
 // float_avx512.cpp: the float panel kernel on zmm.
 void float_linear_avx512(const FloatArgs& a, int64_t p0, int64_t p1);
 
