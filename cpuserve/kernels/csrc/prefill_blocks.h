@@ -31,9 +31,14 @@ constexpr int64_t kKeys = 64;      // keys per block
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kQueryRows = 32;  // rows a job aims for (tokens x query heads of the group)
 
-// Register blocking: rows a matmul step keeps in registers (two with AVX2's 16 vector registers).
+// Register blocking: a matmul step keeps rows_at_once() x vectors_at_once() accumulators in registers
+// (4 x 4 of 32 registers; 6 x 2 of AVX2's 16, so 12 FMAs share 8 loads and broadcasts).
 template <typename V>
 constexpr int64_t rows_at_once() {
+  return sizeof(typename V::Vec) == 32 ? 6 : 4;
+}
+template <typename V>
+constexpr int vectors_at_once() {
   return sizeof(typename V::Vec) == 32 ? 2 : 4;
 }
 
@@ -76,22 +81,24 @@ struct F32Engine {
   static void scores(const float* q, int64_t padded, int64_t d, const float* keys, float* s) {
     using Vec = typename V::Vec;
     constexpr int64_t R = rows_at_once<V>(), L = V::kLanes;
+    constexpr int NV = vectors_at_once<V>();
+    static_assert(kKeys % (NV * L) == 0, "a key block is whole steps");
     for (int64_t r0 = 0; r0 < padded; r0 += R)
-      for (int64_t c0 = 0; c0 < kKeys; c0 += 4 * L) {
-        Vec acc[R][4];
+      for (int64_t c0 = 0; c0 < kKeys; c0 += NV * L) {
+        Vec acc[R][NV];
         for (int64_t r = 0; r < R; ++r)
-          for (int c = 0; c < 4; ++c) acc[r][c] = V::zero();
+          for (int c = 0; c < NV; ++c) acc[r][c] = V::zero();
         for (int64_t x = 0; x < d; ++x) {
           const float* kx = keys + x * kKeys + c0;
-          Vec kv[4];
-          for (int c = 0; c < 4; ++c) kv[c] = V::load(kx + c * L);
+          Vec kv[NV];
+          for (int c = 0; c < NV; ++c) kv[c] = V::load(kx + c * L);
           for (int64_t r = 0; r < R; ++r) {
             const Vec qb = V::set1(q[(r0 + r) * d + x]);
-            for (int c = 0; c < 4; ++c) acc[r][c] = V::fma(qb, kv[c], acc[r][c]);
+            for (int c = 0; c < NV; ++c) acc[r][c] = V::fma(qb, kv[c], acc[r][c]);
           }
         }
         for (int64_t r = 0; r < R; ++r)
-          for (int c = 0; c < 4; ++c) V::store(s + (r0 + r) * kKeys + c0 + c * L, acc[r][c]);
+          for (int c = 0; c < NV; ++c) V::store(s + (r0 + r) * kKeys + c0 + c * L, acc[r][c]);
       }
   }
 
@@ -122,9 +129,10 @@ struct F32Engine {
 
   static void add_values(const float* p, int64_t padded, int64_t d, const float* values, float* out) {
     constexpr int64_t L = V::kLanes;
+    constexpr int NV = vectors_at_once<V>();
     int64_t c0 = 0;
-    for (; c0 + 4 * L <= d; c0 += 4 * L) add_value_columns<4>(p, padded, d, values, out, c0);
-    switch ((d - c0) / L) {
+    for (; c0 + NV * L <= d; c0 += NV * L) add_value_columns<NV>(p, padded, d, values, out, c0);
+    switch ((d - c0) / L) {  // fewer than NV vectors left
       case 3: return add_value_columns<3>(p, padded, d, values, out, c0);
       case 2: return add_value_columns<2>(p, padded, d, values, out, c0);
       case 1: return add_value_columns<1>(p, padded, d, values, out, c0);
