@@ -153,3 +153,24 @@ def test_bad_prefill_calls_are_refused_with_a_message(kernels):
         kernels.prefill_attention(q, k, k, torch.tensor([0, 1, 2, 10]), 4, 0, 1.0, variant)
     with pytest.raises(RuntimeError, match="head shapes do not fit"):
         kernels.prefill_attention(torch.randn(1, 4, 3, 8), k, k, None, 4, 0, 1.0, variant)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_reaches_exactly_the_outputs_that_see_it(kernels, monkeypatch, path, dtype):
+    """A NaN query head gives NaN in that head's rows only; a NaN key gives NaN in the rows of its
+    KV group's heads that see it (queries from its position on), as the reference gives; every other
+    output stays within budget. Never a finite guess."""
+    _path(monkeypatch, path)
+    gen = torch.Generator().manual_seed(5)
+    t, hq, hkv, d = 70, 9, 3, 64
+    q = torch.randn(1, t, hq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(1, t, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    q[0, 10, 4, 3] = float("nan")
+    k[0, 30, 0, 5] = float("nan")  # KV head 0: query heads 0-2
+    got = ops.prefill_attention_contiguous(q, k, v, None, d**-0.5).double()
+    want = _reference(q, k, v, None, d**-0.5)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[0, 10, 4].isnan().all() and got[0, 30:, :3].isnan().all() and not got[0, :30, :3].isnan().any()
+    finite = ~want.isnan()
+    assert ((got - want).abs()[finite] <= _budget(want, v, dtype)[finite]).all()

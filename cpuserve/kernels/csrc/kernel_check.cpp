@@ -649,8 +649,12 @@ void check_prefills(const Variant& v, Rng& rng) {
           check_prefill<cpk::F16>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged);
           check_prefill<int8_t>(v, rng, b, c.t, c.context, c.window, hkv, group, d, paged);
         }
-  for (bool bf16_queries : {false, true})  // the 2B shape's head dimension and group, one long-ish case
+  for (bool bf16_queries : {false, true}) {  // the 2B shape's head dimension and group, one long-ish case
     check_prefill<cpk::Bf16>(v, rng, 1, 100, 300, 0, 2, 8, 128, true, bf16_queries);
+    // 96 (Phi-3): the bf16 pairs' 32-column tail; 80: the fp32 engine's tails of 1-3 vectors
+    for (int64_t d : {96, 80}) check_prefill<cpk::Bf16>(v, rng, 1, 70, 90, 0, 2, 2, d, false, bf16_queries);
+  }
+  check_prefill<float>(v, rng, 1, 70, 90, 0, 2, 2, 80, false);
 }
 
 // The dot-peak loop does the multiply-adds it claims: with all-ones operands the lanes' sum is the

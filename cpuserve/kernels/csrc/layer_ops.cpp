@@ -403,8 +403,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   TORCH_CHECK(k.stride(3) == 1, "prefill_attention: the head dimension must be contiguous");
   check_same_dtype(k, v, "prefill_attention");
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = k.size(2);
-  TORCH_CHECK(k.size(3) == d && hq % hkv == 0, "prefill_attention: head shapes do not fit");
+  TORCH_CHECK(k.size(3) == d && hkv >= 1 && hq % hkv == 0, "prefill_attention: head shapes do not fit");
   TORCH_CHECK(t >= 1 && context >= t && window >= 0, "prefill_attention: needs 1 <= T <= context, window >= 0");
+  TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive");
   cpk::PrefillArgs a{};
   torch::Tensor sl;
   if (slots.has_value()) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "prefill_attention.h"
@@ -143,7 +144,7 @@ struct F32Engine {
 
 // Query blocks of one (sequence, KV head) in an order that gives each thread's contiguous share
 // both early (few keys) and late (many keys) blocks: 0, n-1, 1, n-2, ...
-inline int64_t balanced(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+static inline int64_t balanced(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
 // Keys and values of every (sequence, KV head), packed by E: blocks [B * Hkv][blocks][...].
 template <typename E, typename T>
@@ -166,9 +167,10 @@ void run(const PrefillArgs& a, const Parallel& par) {
   using Elem = typename E::Elem;
   const int64_t group = a.hq / a.hkv, d = a.d;
   const int64_t blocks = (a.context + kKeys - 1) / kKeys, per_block = kKeys * d / E::kStep;
-  std::vector<Elem> keys(static_cast<size_t>(a.b * a.hkv * blocks * per_block));
-  std::vector<Elem> values(keys.size());
-  pack_all<E, T>(a, par, blocks, keys.data(), values.data());
+  // Uninitialised (pack writes every element, the zero padding too): no serial memset of megabytes.
+  const size_t packed = static_cast<size_t>(a.b * a.hkv * blocks * per_block);
+  std::unique_ptr<Elem[]> keys(new Elem[packed]), values(new Elem[packed]);
+  pack_all<E, T>(a, par, blocks, keys.get(), values.get());
   const int64_t tokens = std::max<int64_t>(1, std::min(a.t, kQueryRows / group));  // query tokens a job
   const int64_t qblocks = (a.t + tokens - 1) / tokens;
   const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -176,6 +178,7 @@ void run(const PrefillArgs& a, const Parallel& par) {
     const int64_t most = tokens * group, padded = (most + R - 1) / R * R;
     std::vector<float> s(static_cast<size_t>(padded * kKeys)), o(static_cast<size_t>(padded * d));
     std::vector<float> top(static_cast<size_t>(padded)), sum(static_cast<size_t>(padded));
+    std::vector<uint8_t> nan(static_cast<size_t>(padded));  // a NaN score: the row's output is NaN
     std::vector<Elem> q(static_cast<size_t>(padded * d / E::kStep));
     std::vector<const float*> qrows(static_cast<size_t>(padded));
     for (int64_t job = begin; job < end; ++job) {
@@ -188,10 +191,11 @@ void run(const PrefillArgs& a, const Parallel& par) {
       std::fill(o.begin(), o.end(), 0.f);
       std::fill(top.begin(), top.end(), minus_inf);
       std::fill(sum.begin(), sum.end(), 0.f);
+      std::fill(nan.begin(), nan.end(), uint8_t(0));
       const int64_t first = prefill_first_key(a, i0), last = prefill_last_key(a, i1 - 1);
       for (int64_t blk = first / kKeys; blk * kKeys <= last; ++blk) {
         const int64_t k0 = blk * kKeys;
-        const Elem* kb = keys.data() + (sh * blocks + blk) * per_block;
+        const Elem* kb = keys.get() + (sh * blocks + blk) * per_block;
         E::scores(q.data(), padded, d, kb, s.data());
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = s.data() + r * kKeys;
@@ -200,13 +204,15 @@ void run(const PrefillArgs& a, const Parallel& par) {
           if (lo > 0 || hi < kKeys - 1)  // the mask cuts this block: keys outside [lo, hi] drop out
             for (int64_t j = 0; j < kKeys; ++j)
               if (j < lo || j > hi) sr[j] = minus_inf;
-          Vec mx = V::set1(minus_inf);
+          Vec mx = V::set1(minus_inf), any = V::zero();
           const Vec scale = V::set1(a.scale);
           for (int64_t j = 0; j < kKeys; j += L) {
             const Vec x = V::mul(V::load(sr + j), scale);
             V::store(sr + j, x);
             mx = V::max(mx, x);
+            any = V::add(any, x);  // NaN if a score is (max drops NaN lanes, and exp gives them 0)
           }
+          if (std::isnan(V::reduce_add(any))) nan[r] = 1;
           const float grown = std::max(top[r], V::reduce_max(mx));
           if (grown == minus_inf) {  // nothing seen yet (a window's start): no weight, nothing to rescale
             for (int64_t j = 0; j < kKeys; ++j) sr[j] = 0.f;
@@ -229,10 +235,10 @@ void run(const PrefillArgs& a, const Parallel& par) {
           sum[r] += V::reduce_add(total);
         }
         for (int64_t r = rows; r < padded; ++r) std::fill(s.begin() + r * kKeys, s.begin() + (r + 1) * kKeys, 0.f);
-        E::add_values(s.data(), padded, d, values.data() + (sh * blocks + blk) * per_block, o.data());
+        E::add_values(s.data(), padded, d, values.get() + (sh * blocks + blk) * per_block, o.data());
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const Vec inv = V::set1(1.f / sum[r]);
+        const Vec inv = V::set1(nan[r] ? std::numeric_limits<float>::quiet_NaN() : 1.f / sum[r]);
         float* out = a.out + ((seq * a.t + i0 + r / group) * a.hq + head * group + r % group) * d;
         for (int64_t x = 0; x < d; x += L) V::store(out + x, V::mul(V::load(o.data() + r * d + x), inv));
       }
