@@ -160,7 +160,10 @@ def _float_op_kernels(spec: ModelSpec) -> dict[str, str]:
         }
     whole = native_decode.enabled() and native_decode.layer_is_native(spec)
     return {
-        "attention": "decode: native, reads the KV cache in place; prefill: torch SDPA",
+        "attention": (
+            "decode and prefill: native, read the KV cache in place (prefill in query and key blocks; "
+            "on a bf16 cache, bf16 pair products where the CPU has AVX512_BF16, else fp32)"
+        ),
         "norm, rope, activation": "native (residual add fused with the next norm)",
         "decode step": "native, all layers in one call" if whole else "Python layer loop (native ops)",
     }
