@@ -1,9 +1,10 @@
 """The kernel core without torch: natively, and cross-compiled for aarch64 and run under qemu-user on
 three CPU models (Armv9 with I8MM, Armv8.2 with dotprod, plain Armv8.0). Each run selects its variant
 from the CPU's HWCAPs and checks it (under Armv9: every Arm variant) against the scalar twin on odd
-shapes (M 1..17, several N, K 128..4096, groups 32/64/128 and channel-wise), and its decode and prefill attention (the NEON blocks, shared by the Arm variants: checked
-once) and the generic loops against a double-precision softmax; budgets in
-kernel_check.cpp. And the whole torch-bound library cross-built for aarch64."""
+shapes (M 1..17, several N, K 128..4096, groups 32/64/128 and channel-wise), and its decode and
+prefill attention (the NEON blocks, shared by the Arm variants: checked once) and the generic loops
+against a double-precision softmax; budgets in kernel_check.cpp. And the whole torch-bound library
+cross-built for aarch64."""
 
 from __future__ import annotations
 
