@@ -14,6 +14,28 @@ torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """The built kernel module, native ops on (the float ops' and attention's tests need both)."""
+    from cpuserve.kernels import native
+    from cpuserve.model import ops
+
+    module = native()
+    assert module is not None, "native kernels are not built: ./run setup builds them"
+    assert ops.native_ops_enabled()
+    return module
+
+
+@pytest.fixture
+def fresh_variant():
+    """CPUSERVE_ISA is read once per selection: a test that sets it starts and ends with a fresh one."""
+    from cpuserve.kernels import selected_variant
+
+    selected_variant.cache_clear()
+    yield
+    selected_variant.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cpuserve-cache")

@@ -12,28 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpuserve.kernels import native, selected_variant
+from cpuserve.kernels import selected_variant
 from cpuserve.model import ops
+from tests.attention_paths import ATTENTION_PATHS, select_attention_path
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP32_REL = 2e-6
 LOW_PRECISION_REL = 2.0**-7  # one bf16 step relative, with margin for values that straddle a step
 
 
-@pytest.fixture(autouse=True)
-def _fresh_variant():
-    """CPUSERVE_ISA is read once per selection: tests that set it start and end with a fresh one."""
-    selected_variant.cache_clear()
-    yield
-    selected_variant.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = native()
-    assert module is not None, "native kernels are not built: ./run setup builds them"
-    assert ops.native_ops_enabled()
-    return module
+pytestmark = pytest.mark.usefixtures("fresh_variant")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, mismatch_share: float = 0.02) -> None:
@@ -159,20 +147,6 @@ def _sdpa(q, k, v):
     )[0, :, 0]
 
 
-# "host": this CPU's own variant (AVX-512's key blocks of 16 where it has AVX-512); "avx2": AVX2's key
-# blocks of 8 (CPUSERVE_ISA=avx2); "portable": the template loops (CPUSERVE_ISA=generic).
-ATTENTION_PATHS = ["host", "avx2", "portable"]
-
-
-def _attention_path(monkeypatch, path: str) -> None:
-    from cpuserve.kernels import runnable_variants
-
-    if path == "avx2" and "avx2" not in runnable_variants():
-        pytest.skip("this CPU lacks AVX2")
-    if path != "host":
-        monkeypatch.setenv("CPUSERVE_ISA", "generic" if path == "portable" else path)
-
-
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (16, 2), (4, 4)])
 @pytest.mark.parametrize("dtype,budget", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("native_ops", [True, False])
@@ -180,7 +154,7 @@ def _attention_path(monkeypatch, path: str) -> None:
 def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype, budget, native_ops, path):
     if not native_ops:
         monkeypatch.setattr(ops, "_use_native", lambda *t: None)
-    _attention_path(monkeypatch, path)
+    select_attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     n, d, capacity = 3, 64, 96
     lengths = [37, 20, 1]
@@ -206,7 +180,7 @@ def test_paged_decode_attention_equals_sdpa(kernels, monkeypatch, hq, hkv, dtype
 # one sequence with few KV heads: the AVX-512 path splits its keys into parts (with 700 keys) and merges
 @pytest.mark.parametrize("b,hq,hkv,d", [(2, 8, 2, 128), (1, 9, 3, 64)])
 def test_contiguous_decode_attention_equals_sdpa(kernels, monkeypatch, dtype, budget, used, path, b, hq, hkv, d):
-    _attention_path(monkeypatch, path)
+    select_attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(11)
     cap = used + 17
     q = torch.randn(b, hq, d, generator=gen).to(dtype)
@@ -293,7 +267,7 @@ def test_quantized_model_with_native_ops_stays_within_the_schemes_own_noise(kern
 def test_a_nan_query_gives_nan_not_a_finite_guess(kernels, monkeypatch, path):
     """A NaN in one query head (an upstream overflow) reaches that head's output as NaN on every path,
     as SDPA gives it, never a finite guess; every other head stays exact to budget."""
-    _attention_path(monkeypatch, path)
+    select_attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(13)
     q = torch.randn(2, 9, 64, generator=gen)
     q[0, 4, 7] = float("nan")

@@ -13,31 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpuserve.kernels import native, runnable_variants, selected_variant
 from cpuserve.model import ops
+from tests.attention_paths import ATTENTION_PATHS, select_attention_path
 
-PATHS = ["host", "avx2", "portable"]  # this CPU's variant; AVX2's blocks; the portable loops (generic)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_variant():
-    selected_variant.cache_clear()
-    yield
-    selected_variant.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = native()
-    assert module is not None, "native kernels are not built: ./run setup builds them"
-    return module
-
-
-def _path(monkeypatch, path: str) -> None:
-    if path == "avx2" and "avx2" not in runnable_variants():
-        pytest.skip("this CPU lacks AVX2")
-    if path != "host":
-        monkeypatch.setenv("CPUSERVE_ISA", "generic" if path == "portable" else path)
+pytestmark = pytest.mark.usefixtures("fresh_variant")
 
 
 def _reference(q, keys, values, window: int | None, scale: float) -> torch.Tensor:
@@ -74,14 +53,14 @@ CASES = [  # (T new tokens, L keys in all, window)
 ]
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 2, 128), (4, 4, 36)])  # 36: not a whole vector
 @pytest.mark.parametrize("t,length,window", CASES)
 def test_contiguous_prefill_equals_the_float64_reference(
     kernels, monkeypatch, path, dtype, hq, hkv, d, t, length, window
 ):
-    _path(monkeypatch, path)
+    select_attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(t * 1000 + length)
     b, capacity = 2, length + 9
     q = torch.randn(b, t, hq, d, generator=gen).to(dtype)
@@ -96,7 +75,7 @@ def test_contiguous_prefill_equals_the_float64_reference(
     assert (err <= _budget(want, values, dtype)).all(), err.max().item()
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("t,length,window", [(70, 70, None), (40, 150, None), (33, 200, 50)])
 def test_paged_prefill_reads_its_slots_in_place(kernels, monkeypatch, path, int8, t, length, window):
@@ -104,7 +83,7 @@ def test_paged_prefill_reads_its_slots_in_place(kernels, monkeypatch, path, int8
     An int8 cache is read as int8 times each row's scale, as the reference dequantizes it."""
     from cpuserve.engine.kv_int8 import dequantize_kv, quantize_kv
 
-    _path(monkeypatch, path)
+    select_attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(length)
     hq, hkv, d, capacity = 9, 3, 64, length + 50
     q = torch.randn(t, hq, d, generator=gen)
@@ -155,13 +134,13 @@ def test_bad_prefill_calls_are_refused_with_a_message(kernels):
         kernels.prefill_attention(torch.randn(1, 4, 3, 8), k, k, None, 4, 0, 1.0, variant)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_nan_reaches_exactly_the_outputs_that_see_it(kernels, monkeypatch, path, dtype):
     """A NaN query head gives NaN in that head's rows only; a NaN key gives NaN in the rows of its
     KV group's heads that see it (queries from its position on), as the reference gives; every other
     output stays within budget. Never a finite guess."""
-    _path(monkeypatch, path)
+    select_attention_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(5)
     t, hq, hkv, d = 70, 9, 3, 64
     q = torch.randn(1, t, hq, d, generator=gen).to(dtype)

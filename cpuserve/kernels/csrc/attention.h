@@ -62,6 +62,20 @@ inline float dot_lanes(const float* q, const T* k, int64_t d) {
   return total;
 }
 
+// x[0..n) replaced by its softmax (the portable loops' exact two passes). Always inlined, as the
+// loops that call it, so each ISA's copy is its own.
+__attribute__((always_inline)) inline void softmax_in_place(float* x, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < n; ++l) top = std::max(top, x[l]);
+  float total = 0.f;
+  for (int64_t l = 0; l < n; ++l) {
+    x[l] = std::exp(x[l] - top);
+    total += x[l];
+  }
+  const float inv = 1.f / total;
+  for (int64_t l = 0; l < n; ++l) x[l] *= inv;
+}
+
 // Jobs [begin, end) of (sequence, KV head). Always inlined into each ISA's copy, so its loops are
 // compiled for that ISA.
 template <typename T>
@@ -86,18 +100,7 @@ __attribute__((always_inline)) inline void attention_jobs(const AttentionArgs& a
       }
       for (int64_t g = 0; g < group; ++g) scores[g * a.longest + l] = dot_lanes(qs + g * d, row.data(), d) * a.scale;
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sc = scores.data() + g * a.longest;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < length; ++l) top = std::max(top, sc[l]);
-      float total = 0.f;
-      for (int64_t l = 0; l < length; ++l) {
-        sc[l] = std::exp(sc[l] - top);
-        total += sc[l];
-      }
-      const float inv = 1.f / total;
-      for (int64_t l = 0; l < length; ++l) sc[l] *= inv;
-    }
+    for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * a.longest, length);
     float* o = a.out + (seq * a.hq + head * group) * d;
     for (int64_t i = 0; i < group * d; ++i) o[i] = 0.f;
     for (int64_t l = 0; l < length; ++l) {  // each value row converted once, added to every head's output

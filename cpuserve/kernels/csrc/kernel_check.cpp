@@ -457,6 +457,35 @@ void check_floats(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k) {
   }
 }
 
+// A random K/V cache of T in [-1, 1) (int8: [-127, 127] with one scale per row of `rows`, each
+// in [0.5, 1] / 127, so rows read as values in [-1, 1]), and the DType it is read as.
+template <typename T>
+void random_cache(Rng& rng, std::vector<T>& k, std::vector<T>& val, std::vector<float>& k_scale,
+                  std::vector<float>& v_scale, int64_t rows) {
+  for (size_t i = 0; i < k.size(); ++i) {
+    if constexpr (std::is_same<T, int8_t>::value) {
+      k[i] = int8_t(rng.range(-127, 127));
+      val[i] = int8_t(rng.range(-127, 127));
+    } else {
+      k[i] = narrow_to<T>(rng.uniform());
+      val[i] = narrow_to<T>(rng.uniform());
+    }
+  }
+  if constexpr (std::is_same<T, int8_t>::value) {
+    k_scale.resize(rows);
+    v_scale.resize(rows);
+    for (auto& s : k_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
+    for (auto& s : v_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
+  }
+}
+
+template <typename T>
+cpk::DType cache_dtype() {
+  return std::is_same<T, cpk::Bf16>::value ? cpk::DType::Bf16
+         : std::is_same<T, cpk::F16>::value ? cpk::DType::F16
+                                            : cpk::DType::F32;
+}
+
 // One decode-attention case: n sequences of random lengths up to `longest`, hkv KV heads of `group`
 // query heads, head dimension d, keys/values stored as T (int8 with a scale per row), in a
 // contiguous cache or in a paged one through shuffled slots.
@@ -474,24 +503,8 @@ void check_attention(const Variant& v, Rng& rng, int64_t n, int64_t hkv, int64_t
   std::vector<float> k_scale, v_scale, q(n * hq * d), out(n * hq * d), twin(n * hq * d);
   for (auto& e : q) e = rng.uniform();
   const bool int8 = std::is_same<T, int8_t>::value;
-  for (int64_t i = 0; i < elements; ++i) {
-    if constexpr (std::is_same<T, int8_t>::value) {
-      k[i] = int8_t(rng.range(-127, 127));
-      val[i] = int8_t(rng.range(-127, 127));
-    } else {
-      k[i] = narrow_to<T>(rng.uniform());
-      val[i] = narrow_to<T>(rng.uniform());
-    }
-  }
-  if (int8) {
-    k_scale.resize(batches * positions * hkv);
-    v_scale.resize(k_scale.size());
-    for (auto& s : k_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
-    for (auto& s : v_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
-  }
-  const cpk::DType dtype = std::is_same<T, cpk::Bf16>::value  ? cpk::DType::Bf16
-                           : std::is_same<T, cpk::F16>::value ? cpk::DType::F16
-                                                              : cpk::DType::F32;
+  random_cache(rng, k, val, k_scale, v_scale, batches * positions * hkv);
+  const cpk::DType dtype = cache_dtype<T>();
   const float scale = 1.f / std::sqrt(float(d));
   cpk::AttentionArgs a{q.data(), k.data(), val.data(), dtype, int8 ? k_scale.data() : nullptr,
                        int8 ? v_scale.data() : nullptr, positions * hkv, hkv, 1, lengths.data(),
@@ -566,24 +579,8 @@ void check_prefill(const Variant& v, Rng& rng, int64_t b, int64_t t, int64_t con
   std::vector<T> k(elements), val(elements);
   std::vector<float> k_scale, v_scale, q(b * t * hq * d), out(q.size()), twin(q.size());
   for (auto& e : q) e = bf16_queries ? cpk::to_float(narrow_to<cpk::Bf16>(rng.uniform())) : rng.uniform();
-  for (int64_t i = 0; i < elements; ++i) {
-    if constexpr (std::is_same<T, int8_t>::value) {
-      k[i] = int8_t(rng.range(-127, 127));
-      val[i] = int8_t(rng.range(-127, 127));
-    } else {
-      k[i] = narrow_to<T>(rng.uniform());
-      val[i] = narrow_to<T>(rng.uniform());
-    }
-  }
-  if (int8) {
-    k_scale.resize(b * positions * hkv);
-    v_scale.resize(k_scale.size());
-    for (auto& s : k_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
-    for (auto& s : v_scale) s = (0.5f + 0.5f * std::fabs(rng.uniform())) / 127.f;
-  }
-  const cpk::DType dtype = std::is_same<T, cpk::Bf16>::value  ? cpk::DType::Bf16
-                           : std::is_same<T, cpk::F16>::value ? cpk::DType::F16
-                                                              : cpk::DType::F32;
+  random_cache(rng, k, val, k_scale, v_scale, b * positions * hkv);
+  const cpk::DType dtype = cache_dtype<T>();
   const float scale = 1.f / std::sqrt(float(d));
   cpk::PrefillArgs a{};
   a.q = q.data(), a.k = k.data(), a.v = val.data(), a.dtype = dtype;

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_features.h"
@@ -330,6 +331,27 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up, const Variant&
   });
 }
 
+// What both attention bindings read of a cache k [B, S, Hkv, D]: an int8 cache's row scales (fp32
+// [B, S, Hkv], k's and v's alike) or a float cache's dtype, into args (AttentionArgs / PrefillArgs).
+template <typename Args>
+void cache_format(const torch::Tensor& k, const c10::optional<torch::Tensor>& k_scale,
+                  const c10::optional<torch::Tensor>& v_scale, const char* op, Args& a) {
+  const bool int8 = k.scalar_type() == torch::kInt8;
+  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(), op,
+              ": an int8 cache needs its k and v scales, a float cache none");
+  if (!int8) {
+    a.dtype = float_dtype(k, (std::string(op) + ": cache").c_str());
+    return;
+  }
+  for (const auto* s : {&*k_scale, &*v_scale})
+    TORCH_CHECK(s->scalar_type() == torch::kFloat32 && s->dim() == 3 && s->sizes() == k.sizes().slice(0, 3), op,
+                ": int8 cache scales must be fp32 [B, S, Hkv]");
+  TORCH_CHECK(k_scale->strides() == v_scale->strides(), op, ": k and v scales must match");
+  a.k_scale = k_scale->data_ptr<float>();
+  a.v_scale = v_scale->data_ptr<float>();
+  a.sb = k_scale->stride(0), a.ss = k_scale->stride(1), a.sh = k_scale->stride(2);
+}
+
 // One query token per sequence against its cached keys/values, softmax in fp32.
 // q [N, Hq, D]; k, v [B, S, Hkv, D] (D contiguous, any other strides). Sequence n reads positions
 // 0 .. lengths[n]-1: without slots, from batch n at those positions (the contiguous cache); with
@@ -367,20 +389,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   a.q = qf.data_ptr<float>();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
-  const bool int8 = k.scalar_type() == torch::kInt8;
-  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(),
-              "decode_attention: an int8 cache needs its k and v scales, a float cache none");
-  if (int8) {
-    for (const auto* s : {&*k_scale, &*v_scale})
-      TORCH_CHECK(s->scalar_type() == torch::kFloat32 && s->dim() == 3 && s->sizes() == k.sizes().slice(0, 3),
-                  "decode_attention: int8 cache scales must be fp32 [B, S, Hkv]");
-    TORCH_CHECK(k_scale->strides() == v_scale->strides(), "decode_attention: k and v scales must match");
-    a.k_scale = k_scale->data_ptr<float>();
-    a.v_scale = v_scale->data_ptr<float>();
-    a.sb = k_scale->stride(0), a.ss = k_scale->stride(1), a.sh = k_scale->stride(2);
-  } else {
-    a.dtype = float_dtype(k, "decode_attention: cache");
-  }
+  cache_format(k, k_scale, v_scale, "decode_attention", a);
   a.lengths = lp;
   a.n = n, a.hq = hq, a.hkv = hkv, a.d = d, a.kb = k.stride(0), a.ks = k.stride(1), a.kh = k.stride(2);
   a.longest = longest;
@@ -421,20 +430,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   }
   auto qf = q.to(torch::kFloat32).contiguous();
   auto out = torch::empty({b, t, hq, d}, torch::kFloat32);
-  const bool int8 = k.scalar_type() == torch::kInt8;
-  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(),
-              "prefill_attention: an int8 cache needs its k and v scales, a float cache none");
-  if (int8) {
-    for (const auto* s : {&*k_scale, &*v_scale})
-      TORCH_CHECK(s->scalar_type() == torch::kFloat32 && s->dim() == 3 && s->sizes() == k.sizes().slice(0, 3),
-                  "prefill_attention: int8 cache scales must be fp32 [B, S, Hkv]");
-    TORCH_CHECK(k_scale->strides() == v_scale->strides(), "prefill_attention: k and v scales must match");
-    a.k_scale = k_scale->data_ptr<float>();
-    a.v_scale = v_scale->data_ptr<float>();
-    a.sb = k_scale->stride(0), a.ss = k_scale->stride(1), a.sh = k_scale->stride(2);
-  } else {
-    a.dtype = float_dtype(k, "prefill_attention: cache");
-  }
+  cache_format(k, k_scale, v_scale, "prefill_attention", a);
   a.q = qf.data_ptr<float>();
   a.k = k.data_ptr();
   a.v = v.data_ptr();

@@ -73,18 +73,7 @@ __attribute__((always_inline)) inline void prefill_jobs(const PrefillArgs& a, in
       for (int64_t x = 0; x < d; ++x) row[x] = to_float(key[x]) * s;
       for (int64_t g = 0; g < group; ++g) scores[g * count + l - lo] = dot_lanes(qs + g * d, row.data(), d) * a.scale;
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sc = scores.data() + g * count;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < count; ++l) top = std::max(top, sc[l]);
-      float total = 0.f;
-      for (int64_t l = 0; l < count; ++l) {
-        sc[l] = std::exp(sc[l] - top);
-        total += sc[l];
-      }
-      const float inv = 1.f / total;
-      for (int64_t l = 0; l < count; ++l) sc[l] *= inv;
-    }
+    for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * count, count);
     float* o = a.out + ((seq * a.t + i) * a.hq + head * group) * d;
     for (int64_t x = 0; x < group * d; ++x) o[x] = 0.f;
     for (int64_t l = lo; l <= hi; ++l) {  // each value row converted once, added to every head's output
