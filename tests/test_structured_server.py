@@ -56,6 +56,7 @@ TIME = {
 }
 TOOLS = [WEATHER, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MAX_CALL_TOKENS = 200  # a call is about 25 tokens: room for several
 
 
 def _start(smol_dir, cache_dir, tmp_path_factory, *flags: str):
@@ -159,13 +160,32 @@ def test_named_and_required_tool_choice_always_call_with_valid_arguments(client)
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice, expect in ((named, {"get_time"}), ("required", {"get_weather", "get_time"})):
         out = client.chat.completions.create(
-            model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0.8, n=5
+            model=MODEL,
+            messages=WEATHER_Q,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=MAX_CALL_TOKENS,
+            temperature=0.8,
+            n=5,
+            logprobs=True,
         )
+        called = 0
         for c in out.choices:
+            if c.finish_reason == "length":
+                # A sampled "required" array may go on adding calls (each one valid) past max_tokens, as
+                # it would on vLLM; such a choice must really be cut: every token used, the text an
+                # unfinished array, and no call made up from it.
+                assert choice == "required" and len(c.logprobs.content) == MAX_CALL_TOKENS
+                assert c.message.content.startswith("[") and not c.message.tool_calls
+                with pytest.raises(json.JSONDecodeError):
+                    json.loads(c.message.content)
+                continue
             # OpenAI's finish reasons: "stop" for a forced function, "tool_calls" when the model chose to call.
             assert c.finish_reason == ("stop" if choice is named else "tool_calls") and c.message.content is None
             calls = [check_call(call) for call in c.message.tool_calls]
             assert calls and {call["name"] for call in calls} <= expect
+            called += 1
+        assert called >= 3, [c.message.content for c in out.choices]
     single = client.chat.completions.create(
         model=MODEL,
         messages=WEATHER_Q,
