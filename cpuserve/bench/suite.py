@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/ alone")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary: the serving comparison too")
     parser.add_argument("--no-serving", action="store_true", help="skip the serving comparison")
+    parser.add_argument("--serving-only", action="store_true", help="only the serving comparison")
     parser.add_argument("--as-avx2", action="store_true", help="only the serving comparison, held to AVX2")
     args = parser.parse_args(argv)
     families = [f for f in args.only or [*PAIRS, "gguf"] if f in PAIRS]
@@ -246,11 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_docs:
             write_serving_docs(report, f"benchmarks/run --as-avx2{only}", True, args.threads)
         return 0
-    if families:
+    if args.serving_only and not serving:
+        parser.error("--serving-only needs --llama-server (benchmarks/run builds it)")
+    if families and not args.serving_only:
         run_speed(args, families, only)
-    if gguf_family:
+    if gguf_family and not args.serving_only:
         run_gguf_files(args, only)
     if serving and families:
+        for family in families:
+            prepare(args.work, family)
         report = run_serving(args.work, families, args.llama_server, args.threads, False)
         print(report)
         if not args.no_docs:
