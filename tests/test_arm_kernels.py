@@ -39,6 +39,7 @@ def qemu_runs(arm_binary):
     yield runs
     for process in runs.values():
         process.kill()
+        process.communicate()
 
 
 @pytest.mark.parametrize("cpu", list(QEMU_CPUS))

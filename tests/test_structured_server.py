@@ -167,6 +167,7 @@ def test_named_and_required_tool_choice_always_call_with_valid_arguments(client)
             max_tokens=MAX_CALL_TOKENS,
             temperature=0.8,
             n=5,
+            seed=11,
             logprobs=True,
         )
         called = 0
@@ -212,7 +213,7 @@ def _calls(message) -> list[dict]:  # type: ignore[no-untyped-def]
     ],
 )
 def test_streamed_tool_calls_assemble_to_the_non_streamed_call(client, tool_choice, extra):
-    kwargs = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=tool_choice, max_tokens=120)
+    kwargs = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=tool_choice, max_tokens=MAX_CALL_TOKENS)
     plain = client.chat.completions.create(temperature=0.0, extra_body=extra, **kwargs)
     finish = "stop" if isinstance(tool_choice, dict) else "tool_calls"
     assert plain.choices[0].finish_reason == finish

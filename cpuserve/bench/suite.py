@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_docs:
             write_serving_docs(report, f"benchmarks/run --as-avx2{only}", True, args.threads)
         return 0
+    if args.serving_only and (args.no_serving or not families):
+        parser.error("--serving-only runs the serving comparison: not with --no-serving, and for smol or 2b")
     if args.serving_only and not serving:
         parser.error("--serving-only needs --llama-server (benchmarks/run builds it)")
     if families and not args.serving_only:
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         report = run_serving(args.work, families, args.llama_server, args.threads, False)
         print(report)
         if not args.no_docs:
-            write_serving_docs(report, f"benchmarks/run{only}", False, args.threads)
+            flag = " --serving-only" if args.serving_only else ""
+            write_serving_docs(report, f"benchmarks/run{flag}{only}", False, args.threads)
     return 0
 
 

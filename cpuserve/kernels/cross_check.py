@@ -42,21 +42,21 @@ def build_check(out_dir: Path, target: str = "native") -> Path:
 
     def compile_one(pair: tuple[Path, Path]) -> None:
         source, obj = pair
-        _run([compiler, *FLAGS, "-c", "-o", str(obj), str(source)])
+        _run([compiler, *FLAGS, "-c", "-o", str(obj), str(source)], source.name)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         list(pool.map(compile_one, zip(sources, objects, strict=True)))
     binary = out_dir / f"kernel_check-{target}"
     static = ["-static"] if target == "aarch64" else []
-    _run([compiler, *static, "-o", str(binary), *map(str, objects)])
+    _run([compiler, *static, "-o", str(binary), *map(str, objects)], f"linking {binary.name}")
     return binary
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str], what: str) -> None:
     """A compiler step; its error output goes into the exception a failing test shows."""
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{cmd[0]} failed on {what}:\n{done.stderr[-4000:]}")
 
 
 def start_check(binary: Path, qemu_cpu: str | None = None, variant: str | None = None) -> subprocess.Popen:
@@ -67,7 +67,13 @@ def start_check(binary: Path, qemu_cpu: str | None = None, variant: str | None =
 
 
 def finish_check(process: subprocess.Popen, timeout: float = 900) -> subprocess.CompletedProcess:
-    stdout, stderr = process.communicate(timeout=timeout)
+    """Wait for a started check (killed and reaped if it runs past `timeout`)."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
