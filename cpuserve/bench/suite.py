@@ -153,10 +153,13 @@ def _replace_section(begin: str, end: str, section: str, docs: Path) -> None:
 
 
 def run_serving(work: Path, families: list[str], llama_server: str, threads: int, as_avx2: bool) -> str:
-    """The serving comparison for each family, one server at a time; the rendered tables."""
+    """The serving comparison for each family (its models prepared if missing), one server at a time;
+    the rendered tables."""
     from cpuserve.bench.serving_bench import WORKLOADS, host_isa, render_table, run
     from cpuserve.model.resolve import bundled_gguf, resolve_model
 
+    for family in families:
+        prepare(work, family)
     env = AS_AVX2 if as_avx2 else {}
     results = []
     for family in families:
@@ -239,25 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.as_avx2:
         if not serving:
             parser.error("--as-avx2 runs the serving comparison: it needs --llama-server")
-        for family in families:
-            prepare(args.work, family)
         report = run_serving(args.work, families, args.llama_server, args.threads, True)
         report = "\n\n".join([report, *efficiency_tables(families, args.threads, AS_AVX2["CPUSERVE_ISA"])])
         print(report)
         if not args.no_docs:
             write_serving_docs(report, f"benchmarks/run --as-avx2{only}", True, args.threads)
         return 0
-    if args.serving_only and (args.no_serving or not families):
-        parser.error("--serving-only runs the serving comparison: not with --no-serving, and for smol or 2b")
-    if args.serving_only and not serving:
-        parser.error("--serving-only needs --llama-server (benchmarks/run builds it)")
+    if args.serving_only and not (serving and families):
+        parser.error("--serving-only runs the serving comparison: --llama-server, smol or 2b, no --no-serving")
     if families and not args.serving_only:
         run_speed(args, families, only)
     if gguf_family and not args.serving_only:
         run_gguf_files(args, only)
     if serving and families:
-        for family in families:
-            prepare(args.work, family)
         report = run_serving(args.work, families, args.llama_server, args.threads, False)
         print(report)
         if not args.no_docs:

@@ -721,19 +721,14 @@ int main(int argc, char** argv) {
     // Attention kernels shared by several rows (the Arm variants' NEON blocks, avx2's and avx_vnni's)
     // are the same code: checked with the first row that has them (under qemu, checking them again
     // for each Arm variant tripled the emulated run's cost and covered nothing more).
+    auto first_with = [&](const void* kernel) {
+      if (std::find(attention_checked.begin(), attention_checked.end(), kernel) != attention_checked.end()) return false;
+      attention_checked.push_back(kernel);
+      return true;
+    };
     bool shared = true;
-    if (std::find(attention_checked.begin(), attention_checked.end(), (const void*)v->decode_attention) ==
-        attention_checked.end()) {
-      check_attentions(*v, rng);
-      attention_checked.push_back((const void*)v->decode_attention);
-      shared = false;
-    }
-    if (std::find(attention_checked.begin(), attention_checked.end(), (const void*)v->prefill_attention) ==
-        attention_checked.end()) {
-      check_prefills(*v, rng);
-      attention_checked.push_back((const void*)v->prefill_attention);
-      shared = false;
-    }
+    if (first_with((const void*)v->decode_attention)) check_attentions(*v, rng), shared = false;
+    if (first_with((const void*)v->prefill_attention)) check_prefills(*v, rng), shared = false;
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
                 "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded), fp16 codes with and without offsets, and "
                 "per-group activations at M 1, 2, 3, 5, 17 (K-quant codes per super-block: %ld linears); float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
