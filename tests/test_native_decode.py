@@ -1,7 +1,8 @@
 """The native decode step (all layers in one call) against the Python layer loop running the same
 native ops: bit-identical logits in bf16 and fp32, float and quantized weights, on the contiguous
 cache and through the engine's paged cache, float or int8 (where steps mixing prefill and decode
-stay in Python)."""
+stay in Python); layers whose q/k/v and gate/up cannot fuse (a GGUF's types differ within a layer,
+as Q4_K_M's attn_v on some layers) run natively too, each linear apart."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cpuserve.model.loader import load_model
 from cpuserve.model.resolve import resolve_model
 from cpuserve.offline.quantize import quantize_checkpoint
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
+from tests.gguf_fixtures import LAYER_TYPES, write_tiny_llama
 
 
 def _use_native_decode(model, monkeypatch, on: bool) -> list[int]:
@@ -51,13 +53,25 @@ def checkpoints(smol_dir, tmp_path_factory):
         "w8a8 bf16": (quantize_checkpoint(smol_dir, root / "w8a8", "w8a8", None, progress=False), "auto"),
         # the bundled Q4_1 GGUF from its file: offsets and activations per group
         "gguf q4_1 fp32": (resolve_model(None, str(root / "cache")), "float32"),
+        # q F32, k F16, v Q8_0; gate Q4_1, up BF16: no fused qkv or gate_up
+        "gguf mixed types": (_tiny_mixed_gguf(root), "auto"),
     }
 
 
-@pytest.mark.parametrize("name", ["bf16", "w4a8-g64 fp32", "w8a8 bf16", "gguf q4_1 fp32"])
+def _tiny_mixed_gguf(root):
+    assert len({LAYER_TYPES[f"attn_{x}.weight"] for x in "qkv"}) == 3
+    assert LAYER_TYPES["ffn_gate.weight"] != LAYER_TYPES["ffn_up.weight"]
+    write_tiny_llama(root / "mixed.gguf")
+    return resolve_model(str(root / "mixed.gguf"), str(root / "cache"))
+
+
+@pytest.mark.parametrize("name", ["bf16", "w4a8-g64 fp32", "w8a8 bf16", "gguf q4_1 fp32", "gguf mixed types"])
 def test_native_decode_is_bit_identical_to_the_layer_loop(checkpoints, monkeypatch, name):
     path, dtype = checkpoints[name]
     model = load_model(path, dtype)
+    layer = model.model.layers[0]
+    unfused = layer.self_attn.qkv_proj is None and layer.mlp.gate_up_proj is None
+    assert unfused == (name == "gguf mixed types")
     calls = _use_native_decode(model, monkeypatch, True)
     native = _decode_logits(model)
     assert calls[0] == 12  # every decode step, not the prompt

@@ -73,9 +73,12 @@ def build_plan(model: nn.Module) -> list[Any] | None:
     plans = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None or mlp.gate_up_proj is None:
-            return None
-        linears = [_linear(m, kernels) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        # Fused where the checkpoint's methods agree, else apart (a GGUF's types can differ in a layer).
+        qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+        qkv_lin, gate_up_lin = [_linear(m, kernels) for m in qkv], [_linear(m, kernels) for m in gate_up]
+        o_lin, down_lin = _linear(attn.o_proj, kernels), _linear(mlp.down_proj, kernels)
+        linears = [*qkv_lin, o_lin, *gate_up_lin, down_lin]
         attn_out_norm, mlp_in_norm, mlp_out_norm = layer.norm_roles
         qk_norms = (attn.q_norm, attn.k_norm) if spec.qk_norm else (None, None)
         norms = [n for n in (layer.input_layernorm, *layer.norm_roles, *qk_norms) if n is not None]
@@ -83,7 +86,10 @@ def build_plan(model: nn.Module) -> list[Any] | None:
             return None
         plans.append(
             kernels.LayerPlan(
-                *linears,
+                qkv_lin,
+                o_lin,
+                gate_up_lin,
+                down_lin,
                 layer.input_layernorm.weight,
                 mlp_in_norm.weight,
                 layer.input_layernorm.eps,

@@ -51,8 +51,13 @@ struct Linear {
 // The switches of Gemma 3 (and Mistral's window): norms x * (1 + w) (unit_offset), per-head q/k
 // norms before rope, a norm on the attention output and one on the MLP output (sandwich), GeGLU,
 // an attention scale other than D ** -0.5, a sliding window, the local rope table.
+// qkv: one fused linear, or q, k and v apart; gate_up: one, or gate and up apart (a GGUF file's
+// types can differ within a layer: Q4_K_M keeps attn_v and ffn_down in Q6_K on some layers).
 struct LayerPlan {
-  Linear qkv, o, gate_up, down;
+  std::vector<Linear> qkv;
+  Linear o;
+  std::vector<Linear> gate_up;
+  Linear down;
   torch::Tensor input_norm, mlp_norm;
   double eps, residual_scale;
   int64_t num_heads, num_kv_heads, head_dim;
@@ -133,13 +138,16 @@ void register_decoder_layers(pybind11::module& mod) {
            py::arg("offsets") = py::none(), py::arg("act_groups") = false, py::arg("n") = 0,
            py::arg("scale_super") = py::none(), py::arg("offset_super") = py::none(), py::arg("mid") = 0.0);
   py::class_<LayerPlan, std::shared_ptr<LayerPlan>>(mod, "LayerPlan")
-      .def(py::init([](Linear qkv, Linear o, Linear gate_up, Linear down, torch::Tensor input_norm,
+      .def(py::init([](std::vector<Linear> qkv, Linear o, std::vector<Linear> gate_up, Linear down,
+                       torch::Tensor input_norm,
                        torch::Tensor mlp_norm, double eps, double residual_scale, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, bool unit_offset,
                        c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
                        bool gelu, double attention_scale, bool windowed, bool local_rope) {
              TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LayerPlan: q and k norms come together");
+             TORCH_CHECK(qkv.size() == 1 || qkv.size() == 3, "LayerPlan: qkv is one fused linear or q, k, v");
+             TORCH_CHECK(gate_up.size() == 1 || gate_up.size() == 2, "LayerPlan: gate_up is one linear or gate, up");
              return std::make_shared<LayerPlan>(LayerPlan{qkv, o, gate_up, down, input_norm, mlp_norm, eps,
                                                           residual_scale, num_heads, num_kv_heads, head_dim,
                                                           unit_offset, q_norm, k_norm, attn_out_norm, mlp_out_norm,
@@ -190,10 +198,16 @@ void register_decoder_layers(pybind11::module& mod) {
         for (size_t i = 0; i < plans.size(); ++i) {
           const LayerPlan& p = *plans[i];
           const int64_t q_size = p.num_heads * p.head_dim, kv_size = p.num_kv_heads * p.head_dim;
-          torch::Tensor qkv = p.qkv(normed);
-          auto q = qkv.narrow(1, 0, q_size).view({t, p.num_heads, p.head_dim});
-          auto k = qkv.narrow(1, q_size, kv_size).view({t, p.num_kv_heads, p.head_dim});
-          auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, p.num_kv_heads, p.head_dim});
+          torch::Tensor q, k, v;
+          if (p.qkv.size() == 1) {
+            torch::Tensor qkv = p.qkv[0](normed);
+            q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size), v = qkv.narrow(1, q_size + kv_size, kv_size);
+          } else {
+            q = p.qkv[0](normed), k = p.qkv[1](normed), v = p.qkv[2](normed);
+          }
+          q = q.view({t, p.num_heads, p.head_dim});
+          k = k.view({t, p.num_kv_heads, p.head_dim});
+          v = v.view({t, p.num_kv_heads, p.head_dim});
           if (p.q_norm.has_value()) {  // per head, before rope (fresh tensors, rotated in place below)
             q = p.norm(q, *p.q_norm, variant);
             k = p.norm(k, *p.k_norm, variant);
@@ -232,9 +246,14 @@ void register_decoder_layers(pybind11::module& mod) {
           auto o = p.o(attn.view({t, q_size}));
           if (p.attn_out_norm.has_value()) o = p.norm(o, *p.attn_out_norm, variant);
           auto mid = add_rms_norm(h, o, p.residual_scale, p.mlp_norm, p.eps, variant, p.unit_offset);
-          auto gu = p.gate_up(mid[1]);
-          const int64_t inter = gu.size(1) / 2;
-          auto gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+          torch::Tensor gate, up;
+          if (p.gate_up.size() == 1) {
+            auto gu = p.gate_up[0](mid[1]);
+            const int64_t inter = gu.size(1) / 2;
+            gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+          } else {
+            gate = p.gate_up[0](mid[1]), up = p.gate_up[1](mid[1]);
+          }
           auto down = p.down(p.gelu ? gelu_tanh_mul(gate, up, variant) : silu_mul(gate, up, variant));
           if (p.mlp_out_norm.has_value()) down = p.norm(down, *p.mlp_out_norm, variant);
           const bool last = i + 1 == plans.size();
