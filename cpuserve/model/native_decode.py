@@ -6,8 +6,8 @@ a step brings one new token, the attention backend describes where its K/V go an
 attends to (`DecodeCache`), and the whole stack runs natively with the same ops in the same order:
 the result is bit-identical to the Python path (tests/test_native_decode.py). The Llama layer and
 Gemma 3's switches run there ((1 + w) norms, q/k norms, sandwich norms, GeGLU, the attention scale,
-sliding windows and the local rope); prefill chunks, unfused projections or weights outside the
-native kernels stay in Python.
+sliding windows and the local rope), with q/k/v and gate/up fused or apart; prefill chunks and
+weights outside the native kernels stay in Python, and the log says why.
 """
 
 from __future__ import annotations
@@ -61,15 +61,17 @@ def layer_is_native(spec: Any) -> bool:
 
 
 def build_plan(model: nn.Module) -> list[Any] | None:
-    """Per-layer plans for decode_layers, or None when some layer cannot run natively."""
+    """Per-layer plans for decode_layers, or None (the reason logged) when some layer cannot run natively."""
     if not enabled():
-        return None
+        return _python_loop("CPUSERVE_NATIVE_DECODE=0 or native ops off")
     kernels = ops._native()
     spec = model.spec
-    if kernels is None or not hasattr(kernels, "decode_layers") or not layer_is_native(spec):
-        return None
+    if kernels is None or not hasattr(kernels, "decode_layers"):
+        return _python_loop("no native kernels")
+    if not layer_is_native(spec):
+        return _python_loop(f"activation {spec.activation} or several window sizes")
     if model.dtype not in ops.NATIVE_DTYPES:
-        return None
+        return _python_loop(f"compute dtype {model.dtype}")
     plans = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -82,8 +84,10 @@ def build_plan(model: nn.Module) -> list[Any] | None:
         attn_out_norm, mlp_in_norm, mlp_out_norm = layer.norm_roles
         qk_norms = (attn.q_norm, attn.k_norm) if spec.qk_norm else (None, None)
         norms = [n for n in (layer.input_layernorm, *layer.norm_roles, *qk_norms) if n is not None]
-        if any(lin is None for lin in linears) or any(n.weight.dtype != model.dtype for n in norms):
-            return None
+        if any(lin is None for lin in linears):
+            return _python_loop(f"layer {i} has a linear without a native handle")
+        if any(n.weight.dtype != model.dtype for n in norms):
+            return _python_loop(f"layer {i} has a norm not in {model.dtype}")
         plans.append(
             kernels.LayerPlan(
                 qkv_lin,
@@ -109,8 +113,13 @@ def build_plan(model: nn.Module) -> list[Any] | None:
             )
         )
     if model.model.norm.weight.dtype != model.dtype:
-        return None
+        return _python_loop(f"the final norm is not in {model.dtype}")
     return plans
+
+
+def _python_loop(reason: str) -> None:
+    log.info("native decode step off: %s", reason)
+    return None
 
 
 def decode(
