@@ -24,7 +24,6 @@ from cpuserve.model import native_decode, ops
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.linears import LinearFactory
 from cpuserve.model.native_decode import DecodeCache
-from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbedding
 from cpuserve.model.rope import Rotary
 
 log = logging.getLogger(__name__)
@@ -273,8 +272,7 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         embedding = self.model.embed_tokens
-        quantized = isinstance(embedding, QuantizedEmbedding | HeadRowsEmbedding)
-        return embedding.dtype if quantized else embedding.weight.dtype
+        return embedding.weight.dtype if isinstance(embedding, nn.Embedding) else embedding.dtype
 
     def native_decode_plan(self) -> list | None:
         """The native decode plans, built on first use (after loading: every layer is packed and fused by then)."""

@@ -61,8 +61,11 @@ def model_facts(
                 continue
             if stored in FLOAT_DTYPES:
                 per_group = n.endswith(("weight_scale", "weight_offset"))  # fp32 per group, not parameters
-                weight_bytes += count * (4 if per_group else elem)
-                native_bytes += count * (4 if per_group else elem)
+                held = 4 if per_group else elem
+                if n == "model.embed_tokens.weight" and stored != "F32" and not spec.tie_word_embeddings:
+                    held = min(held, 2)  # kept 16-bit, rows widened (quantized_embedding.WidenedEmbedding)
+                weight_bytes += count * held
+                native_bytes += count * held
                 params += 0 if per_group else count
             elif not n.endswith("weight_shape"):  # int8 values, or int32 words of packed values
                 weight_bytes += count * INT_BYTES.get(stored, 1)

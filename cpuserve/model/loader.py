@@ -21,7 +21,7 @@ from cpuserve.errors import CheckpointError, ConfigError
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
-from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbedding
+from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbedding, WidenedEmbedding
 from cpuserve.model.source import ModelSource
 from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
@@ -86,15 +86,21 @@ def lm_head_quant(kind: str, hidden_size: int) -> WeightQuant:
     return WeightQuant(bits=4, group_size=group, packed=False)
 
 
-def _quantized_lm_head(head: Linear, kind: str, dtype: torch.dtype, kernel: KernelChoice | None) -> Linear:
+def _quantized_lm_head(
+    head: Linear, kind: str, dtype: torch.dtype, kernel: KernelChoice | None, weight: torch.Tensor | None = None
+) -> Linear:
     """Opt-in: the output head quantized like the body's linears, per-token int8 activations. A
     decode step reads the whole head (49152 x 576 for SmolLM2, 130560 x 2048 for MiniCPM5-2B): int8
     halves a bf16 head's bytes, int4 quarters them; logits move by the quantization error
-    (tests/test_lm_head.py bounds it)."""
+    (tests/test_lm_head.py bounds it). weight: the head as the checkpoint stores it (an untied head,
+    never converted to the compute dtype: quantization works in float32 from any float dtype, so
+    the result is the same, and a float32 copy of a 2B head was 1 GB of the load's peak)."""
     quant = lm_head_quant(kind, head.in_features)
     # int8: the absmax scale. The least-error search (eight candidate scales, eight passes) gains
     # nothing measurable with 255 levels (tests/test_lm_head.py) and took ~23 s of a 2B load.
-    q, scale = quantize_weight_in_chunks(head.weight, quant, "minmax" if quant.bits == 8 else "mse")
+    w = head.weight if weight is None else weight
+    q, scale = quantize_weight_in_chunks(w, quant, "minmax" if quant.bits == 8 else "mse")
+    del w, weight
     method = IntWeightMethod(quant, dtype)
     with torch.device("meta"):
         new = Linear(head.in_features, [head.out_features], False, method)
@@ -114,6 +120,12 @@ def _loaded_in_slices(layer: Linear, shards: list, ckpt: Any, kernel: KernelChoi
     rows = max(16, DECODE_CHUNK_WEIGHTS // layer.in_features // 16 * 16)  # whole panels, a decode chunk
     slices = ckpt.row_slices(prefix, rows)
     return slices is not None and layer.method.load_packed(layer, prefix, ckpt, slices, kernel)
+
+
+def _stays_16_bit(table: torch.Tensor, dtype: torch.dtype, spec: Any) -> bool:
+    """An untied 16-bit embedding served in float32 is kept 16-bit, its rows widened on lookup
+    (WidenedEmbedding): exact, at half the bytes. A tied table is also the head's weight."""
+    return dtype == torch.float32 and table.dtype in (torch.bfloat16, torch.float16) and not spec.tie_word_embeddings
 
 
 def _shard_prefixes(model: CausalLM, name: str) -> list[str]:
@@ -215,10 +227,21 @@ def load_model(
                 del table
         for name in expected:
             if name != EMBEDDING or (embedding is None and not from_head):
-                state[name] = fetch_float(ckpt, name, expected[name]).to(torch_dtype).contiguous()
+                t = fetch_float(ckpt, name, expected[name])
+                if name == EMBEDDING and _stays_16_bit(t, torch_dtype, spec):
+                    embedding = WidenedEmbedding(t, torch_dtype)
+                else:
+                    state[name] = t.to(torch_dtype).contiguous()
+                del t
             bar.update()
+        head_weight = None  # an untied float head to be quantized: as stored, read once
         for name, layer in linears.items():
             if _loaded_in_slices(layer, shards[name], ckpt, kernel):
+                bar.update()
+                continue
+            if name == "lm_head" and quantize_lm_head and layer.quant is None and layer.bias is None:
+                ((prefix, tensors),) = shards[name]
+                head_weight = fetch_float(ckpt, f"{prefix}.weight", tensors[f"{prefix}.weight"])
                 bar.update()
                 continue
             for i, (prefix, tensors) in enumerate(shards[name]):
@@ -250,7 +273,8 @@ def load_model(
     if quantize_lm_head and model.lm_head.quant is not None:
         log.info("lm_head is already quantized (%s): --quantize-lm-head leaves it", model.lm_head.quant.name)
     elif quantize_lm_head:
-        model.lm_head = _quantized_lm_head(model.lm_head, quantize_lm_head, torch_dtype, kernel)
+        model.lm_head = _quantized_lm_head(model.lm_head, quantize_lm_head, torch_dtype, kernel, head_weight)
+        head_weight = None
         linears["lm_head"] = model.lm_head
     elif spec.tie_word_embeddings and dense_kernel is not None:  # the head's own panels; the embedding stays
         model.lm_head.method.process_weights_after_loading(model.lm_head, dense_kernel)

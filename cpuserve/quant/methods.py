@@ -134,7 +134,7 @@ class DenseMethod:
         t = fetch_float(ckpt, name, (rows.stop - rows.start, layer.in_features))
         if layer.weight.is_meta:
             layer.weight = torch.nn.Parameter(torch.empty(layer.weight.shape, dtype=self.dtype), requires_grad=False)
-        layer.weight.data[rows] = t.to(self.dtype)
+        layer.weight.data[rows].copy_(t)  # converted in place: no second full-size copy (a float32 head: 1 GB)
 
     def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
         """Packs into float panels when a kernel was chosen; the layer's weight attribute is then a
