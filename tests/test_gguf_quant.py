@@ -4,6 +4,7 @@ read from a real file (the bundled SmolLM2's Q4_1) without going through bf16.""
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import gguf
@@ -25,7 +26,8 @@ REL_BUDGET = 2e-6
 # Kernel vs x @ dequantized(W).T in float64: int8 per-token activation rounding, relative to the
 # output's RMS: the outlier channel (x 20) sets each token's int8 step (measured up to 4.6% here).
 ACT_BUDGET = 0.08
-SHAPES = [(7, 256), (40, 512), (130, 768)]  # (N, K): odd N, K whole super-blocks
+# (N, K): odd N, K whole super-blocks; N = 48 (whole panels): Q6_K and the Q5 types as int6 panels
+SHAPES = [(7, 256), (40, 512), (130, 768), (48, 512)]
 
 
 def _random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -138,6 +140,10 @@ def test_every_variant_runs_every_type(kind, n, k):
         for name in runnable_variants():
             variant = kernels.variant(name)
             layer, _ = _linear(kind, n, k, seed=n + k, kernel=KernelChoice(kernels, variant))
+            int6 = SCHEMES[kind].int6 and variant.int6 and n % 16 == 0
+            assert (layer.packed_layout == "int6_panel") == int6, (kind, name)
+            if int6:  # 6 bits a weight
+                assert layer.packed.dtype == torch.uint8 and layer.packed.numel() == n * k * 3 // 4
             got = layer(x)
             assert (got - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-5, (kind, name, m)
             if reference_layer.offsets is not None:  # one copy in memory: the driver's, read back exactly
@@ -279,10 +285,11 @@ def test_a_tied_embedding_read_from_its_heads_packed_weights_is_the_tables_rows(
     from cpuserve.model.quantized_embedding import HeadRowsEmbedding
 
     kernels = native()
-    n, k = 70, 512  # four full panels and one of 6 columns; chunks of 16 and a tail of 6
-    ids = torch.tensor([[0, 69, 5, 5], [33, 1, 68, 64]])
+    # 70: four full panels and one of 6 columns; chunks of 16 and a tail of 6. 64: whole panels (int6)
+    ids = torch.tensor([[0, 63, 5, 5], [33, 1, 62, 16]])
     kernel_choices = [None] + [KernelChoice(kernels, kernels.variant(name)) for name in runnable_variants()]
-    for kernel in kernel_choices:
+    for kernel, n in itertools.product(kernel_choices, (70, 64)):
+        k = 512
         layer, d = _linear(kind, n, k, seed=12, kernel=kernel)
         table = torch.from_numpy(d.dequantized())
         for dtype in (torch.float32, torch.bfloat16):
@@ -301,8 +308,8 @@ def test_a_head_packed_slice_by_slice_is_the_head_packed_whole(kind):
     from cpuserve.quant.gguf_blocks import DecodedWeight
 
     kernels = native()
-    n, k = 70, 512
-    for name in runnable_variants():
+    k = 512
+    for name, n in itertools.product(runnable_variants(), (70, 64)):  # 64: whole panels (int6)
         kernel = KernelChoice(kernels, kernels.variant(name))
         whole, d = _linear(kind, n, k, seed=13, kernel=kernel)
         method = IntWeightMethod(linear_scheme(kind), torch.float32)
@@ -332,10 +339,10 @@ def test_a_head_packed_slice_by_slice_is_the_head_packed_whole(kind):
             bad = Linear(k, [n], False, method)
         with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight': rows 8\.\.40"):
             method.load_packed(bad, "lm_head", ckpt, iter([part(8, 40)]), kernel)
-        with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight' ends at row 64, expected 70"):
-            method.load_packed(bad, "lm_head", ckpt, iter([part(0, 32), part(32, 64)]), kernel)
+        with pytest.raises(CheckpointError, match=rf"tensor 'lm_head\.weight' ends at row 32, expected {n}"):
+            method.load_packed(bad, "lm_head", ckpt, iter([part(0, 32)]), kernel)
         short = _Tensors({**ckpt.tensors, "lm_head.weight": torch.zeros(n - 16, k)})
         with pytest.raises(
-            CheckpointError, match=r"tensor 'lm_head\.weight' has shape \[54, 512\], expected \[70, 512\]"
+            CheckpointError, match=rf"tensor 'lm_head\.weight' has shape \[{n - 16}, 512\], expected \[{n}, 512\]"
         ):
             method.load_packed(bad, "lm_head", short, iter([]), kernel)

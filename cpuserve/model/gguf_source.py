@@ -134,7 +134,7 @@ def linear_scheme(kind: str) -> WeightQuant | None:
     if s is None:
         return FALLBACK
     return WeightQuant(
-        bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets, act_groups=True, coding=s.coding
+        bits=s.bits, group_size=s.group, packed=False, offsets=s.offsets, act_groups=True, coding=s.coding, int6=s.int6
     )
 
 

@@ -28,7 +28,9 @@ class WeightQuant:
     activations are quantized per group of the weight's instead of per token (GGUF's numerics:
     llama.cpp's int8 activation blocks; a compressed-tensors checkpoint says which: input
     activations strategy "token", or "group" with the weights' group size). coding: how a GGUF
-    type codes its scales and offsets, kept so (quant/scale_codes.py); None: fp32."""
+    type codes its scales and offsets, kept so (quant/scale_codes.py); None: fp32. int6: 8-bit values
+    that all lie in [-32, 31] (GGUF's Q6_K, Q5_K, Q5_0, Q5_1), held as int6 panels (6 bits a weight,
+    not 8) on kernels that have them, as int8 elsewhere: the same values either way."""
 
     bits: int
     group_size: int | None
@@ -36,6 +38,7 @@ class WeightQuant:
     offsets: bool = False
     act_groups: bool = False
     coding: ScaleCoding | None = None
+    int6: bool = False
 
     @property
     def name(self) -> str:

@@ -42,18 +42,19 @@ class BlockScheme:
     block_weights: int
     block_bytes: int
     coding: ScaleCoding
+    int6: bool = False  # 8-bit values within [-32, 31]: held as int6 panels where a kernel has them
 
 
 _F16 = ScaleCoding("float16", 0)
 SCHEMES: dict[str, BlockScheme] = {
     "Q4_0": BlockScheme(4, 32, False, QK, 18, _F16),
     "Q4_1": BlockScheme(4, 32, True, QK, 20, ScaleCoding("float16", 0, "float16", 8.0)),
-    "Q5_0": BlockScheme(8, 32, False, QK, 22, _F16),
-    "Q5_1": BlockScheme(8, 32, True, QK, 24, ScaleCoding("float16", 0, "float16", 16.0)),
+    "Q5_0": BlockScheme(8, 32, False, QK, 22, _F16, int6=True),
+    "Q5_1": BlockScheme(8, 32, True, QK, 24, ScaleCoding("float16", 0, "float16", 16.0), int6=True),
     "Q8_0": BlockScheme(8, 32, False, QK, 34, _F16),
     "Q4_K": BlockScheme(4, 32, True, QK_K, 144, ScaleCoding("uint8", 8, "uint8", 8.0)),
-    "Q5_K": BlockScheme(8, 32, True, QK_K, 176, ScaleCoding("uint8", 8, "uint8", 16.0)),
-    "Q6_K": BlockScheme(8, 16, False, QK_K, 210, ScaleCoding("int8", 16)),
+    "Q5_K": BlockScheme(8, 32, True, QK_K, 176, ScaleCoding("uint8", 8, "uint8", 16.0), int6=True),
+    "Q6_K": BlockScheme(8, 16, False, QK_K, 210, ScaleCoding("int8", 16), int6=True),
 }
 
 

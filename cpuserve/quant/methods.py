@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from cpuserve.errors import CheckpointError
 from cpuserve.quant import offsets_layout
 from cpuserve.quant.config import WeightQuant
-from cpuserve.quant.packing import panel_scale_index, unpack_int, unpack_int8, unpack_nibbles, unpack_rows
+from cpuserve.quant.packing import (
+    panel_scale_index,
+    unpack_int,
+    unpack_int6,
+    unpack_int8,
+    unpack_nibbles,
+    unpack_rows,
+)
 from cpuserve.quant.reference import reference_forward
 from cpuserve.quant.scale_codes import ScaleCoding, activation_block, expand_offsets, expand_scales
 
@@ -182,7 +189,8 @@ class IntWeightMethod:
     and grouped int8, `kernel_scales` in its order, and `kernel_offsets` in the driver's column chunks
     (quant/offsets_layout.py; `offsets` then dropped); coded, the codes in those orders and their
     factors in the same orders (`kernel_scale_super`, `kernel_offset_super`). W8A8 on a kernel whose
-    layout is the int8 rows themselves keeps `qweight`.
+    layout is the int8 rows themselves keeps `qweight`. A quant.int6 weight (values in [-32, 31]) on a
+    variant with int6 panels is packed as those (`int6_panel`) and run by the W4A8 kernel.
     Without a kernel: `qweight` int8 [N, K] and fp32 `scales` (`offsets`) for the reference forward."""
 
     quant: WeightQuant
@@ -290,8 +298,8 @@ class IntWeightMethod:
         if len(layer.output_sizes) != 1 or not self.fits(k) or layer.bias is not None:
             return False
         mod, variant, groups = kernel.kernels, kernel.variant, self.groups(k)
-        bits4 = self.quant.bits == 4
-        layout = mod.int4_layout(variant) if bits4 else mod.int8_layout(variant)
+        bits4, int6 = self.quant.bits == 4, self.holds_int6(kernel, n, k)
+        layout = "int6_panel" if int6 else mod.int4_layout(variant) if bits4 else mod.int8_layout(variant)
         kernel_order = bits4 or bool(self.quant.group_size)  # scales in pack_scales' order, as a whole pack
         packed: torch.Tensor | None = None  # shaped like the first slice's pack: the layout's own width
         coding = self.coding
@@ -320,7 +328,8 @@ class IntWeightMethod:
                 self._check_values(ckpt, prefix, q, coded={p: _tensor(d.codes.part(p)) for p in coding.parts()})
             else:
                 self._check_values(ckpt, prefix, q, scale, offset)
-            part = mod.pack_int4(q, variant) if bits4 else mod.pack_int8(q, variant)  # "signed": q itself
+            pack = mod.pack_int6 if int6 else mod.pack_int4 if bits4 else mod.pack_int8  # "signed": q itself
+            part = pack(q, variant)
             if packed is None:
                 packed = torch.empty(n, part.shape[1], dtype=part.dtype)
             packed[r0:r1] = part
@@ -368,8 +377,9 @@ class IntWeightMethod:
             name = f"{prefix}.{part}"
             raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' {what}")
 
-        lo, hi = -(1 << (self.quant.bits - 1)), (1 << (self.quant.bits - 1)) - 1
-        if q is not None and self.quant.bits < 8 and (q.min() < lo or q.max() > hi):
+        bits = 6 if self.quant.int6 else self.quant.bits
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if q is not None and bits < 8 and (q.min() < lo or q.max() > hi):
             refuse("weight", f"holds values outside [{lo}, {hi}] for {self.quant.name}")
         if scale is not None and not torch.isfinite(scale).all():
             refuse("weight_scale", "has non-finite scales")
@@ -389,6 +399,11 @@ class IntWeightMethod:
         if self.quant.bits == 8 and self.quant.group_size:  # int8 groups: whole quads (Q6_K's 16)
             return group % 4 == 0 and k % group == 0
         return k % 32 == 0 and group % 32 == 0
+
+    def holds_int6(self, kernel: KernelChoice, n: int, k: int) -> bool:
+        """Whether this weight is held as int6 panels on `kernel` (quant.int6 values, a variant with
+        them, whole panels): 6 bits a weight a decode step reads instead of 8."""
+        return self.quant.int6 and bool(kernel.variant.int6) and n % 16 == 0 and k % 32 == 0 and self.fits(k)
 
     def process_weights_after_loading(self, layer: Any, kernel: KernelChoice | None) -> None:
         """Pack once for `kernel` (or unpack the words for the reference path, when there is none
@@ -423,8 +438,12 @@ class IntWeightMethod:
             layer.packed_layout = mod.int4_layout(variant)
             layer.kernel_scales, layer.scales = mod.pack_scales(layer.scales, variant), None
         else:
-            layer.packed_layout = mod.int8_layout(variant)
-            if layer.packed_layout != "signed":  # "signed": the int8 rows as they are
+            if self.holds_int6(kernel, layer.out_features, k):
+                layer.packed_layout = "int6_panel"
+                layer.packed, layer.qweight = mod.pack_int6(layer.qweight, variant), None
+            else:
+                layer.packed_layout = mod.int8_layout(variant)
+            if layer.packed_layout not in ("signed", "int6_panel"):  # "signed": the int8 rows as they are
                 layer.packed, layer.qweight = mod.pack_int8(layer.qweight, variant), None
             if self.quant.group_size:
                 layer.kernel_scales, layer.scales = mod.pack_scales(layer.scales, variant), None
@@ -438,6 +457,8 @@ class IntWeightMethod:
             return layer.qweight
         if layer.weight_words is not None:
             return unpack_int(layer.weight_words, self.quant.bits, layer.in_features)
+        if layer.packed_layout == "int6_panel":
+            return unpack_int6(layer.packed, layer.in_features)
         if self.quant.bits == 8:
             return unpack_int8(layer.packed, layer.in_features, layer.packed_layout)
         return unpack_nibbles(layer.packed, layer.in_features, layer.packed_layout)
@@ -542,7 +563,7 @@ class IntWeightMethod:
     def kernel_operands(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed weight and the scales in the kernel's order, as w8a8_linear / w4a8_linear and
         NativeLinear take them (also the vLLM plugin's custom op, vllm_plugin/kernels.py)."""
-        if self.quant.bits == 4:
+        if self.quant.bits == 4 or layer.packed_layout == "int6_panel":
             return layer.packed, layer.kernel_scales
         weight = layer.qweight if layer.qweight is not None else layer.packed
         scales = layer.kernel_scales if layer.kernel_scales is not None else layer.scales.view(-1)
@@ -563,7 +584,7 @@ class IntWeightMethod:
         weight, scales = self.kernel_operands(layer)
         return native_int_linear(
             kernel,
-            self.quant.bits,
+            self.kernel_bits(layer),
             x,
             weight,
             scales,
@@ -573,6 +594,10 @@ class IntWeightMethod:
             layer.out_features,
             **self.coded_operands(layer),
         )
+
+    def kernel_bits(self, layer: Any) -> int:
+        """4 when the W4A8 kernel runs this layer (int4, and int6 panels: nibbles plus a plane), else 8."""
+        return 4 if self.quant.bits == 4 or layer.packed_layout == "int6_panel" else 8
 
     def coded_operands(self, layer: Any) -> dict[str, Any]:
         """The kernels' arguments for coded scales (their factors and mid), none for fp32 ones."""
@@ -589,7 +614,7 @@ class IntWeightMethod:
         if kernel is None:
             return None
         weight, scales = self.kernel_operands(layer)
-        kind = 2 if self.quant.bits == 4 else 1
+        kind = 2 if self.kernel_bits(layer) == 4 else 1
         return kernels.NativeLinear(
             kind,
             weight,
@@ -615,8 +640,9 @@ def native_int_linear(
     **coded: Any,
 ) -> torch.Tensor:
     """The native W4A8 / W8A8 linear on IntWeightMethod's kernel operands, any leading shape: what
-    IntWeightMethod.apply runs, and the vLLM plugin's custom op (vllm_plugin/kernels.py). coded:
-    coded scales' factors and mid (IntWeightMethod.coded_operands)."""
+    IntWeightMethod.apply runs, and the vLLM plugin's custom op (vllm_plugin/kernels.py). bits: 4 for
+    the W4A8 kernel (int6 panels too: it tells them by their width). coded: coded scales' factors and
+    mid (IntWeightMethod.coded_operands)."""
     linear = kernel.kernels.w4a8_linear if bits == 4 else kernel.kernels.w8a8_linear
     y = linear(x.reshape(-1, x.shape[-1]), weight, scales, bias, kernel.variant, offsets, act_groups, **coded)
     return y.view(*x.shape[:-1], out_features)

@@ -76,6 +76,26 @@ def unpack_int8(packed: torch.Tensor, k: int, layout: str) -> torch.Tensor:
     return _unpanel(packed, packed.shape[0], packed.shape[1], panel)
 
 
+INT6_PLANE_STEP = 32  # bytes of a panel's 2-bit plane per 8 inputs (kernels/csrc/panel_layout.h)
+
+
+def unpack_int6(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """`int6_panel` (pack_int6: uint8 [N, 3K/4], N a multiple of 16) back to int8 [N, K]: per panel
+    the int4 steps of the low nibbles, then per 8 inputs 32 bytes holding each lane's two high bits
+    (byte e: low-nibble lanes e and e + 32 in bits 0-1 and 2-3, high-nibble lanes in 4-5 and 6-7)."""
+    panels, steps = packed.shape[0] // PANEL, k // 8
+    flat = packed.reshape(panels, PANEL * (k // 2 + k // 4))
+    nibbles = flat[:, : PANEL * (k // 2)].reshape(panels, steps, 4 * PANEL).to(torch.int16)
+    plane = flat[:, PANEL * (k // 2) :].reshape(panels, steps, INT6_PLANE_STEP).to(torch.int16)
+    plane = torch.cat((plane, plane), dim=-1)  # lane b reads byte b % 32
+    shift = torch.arange(4 * PANEL) // INT6_PLANE_STEP * 2
+    lo = (nibbles & 0x0F) | (((plane >> shift) & 3) << 4)
+    hi = (nibbles >> 4) | (((plane >> (shift + 4)) & 3) << 4)
+    # lane 4c + i: column c, input 8j + i (lo) and 8j + 4 + i (hi)
+    values = torch.stack((lo.view(panels, steps, PANEL, 4), hi.view(panels, steps, PANEL, 4)), dim=3)
+    return (values.permute(0, 2, 1, 3, 4).reshape(panels * PANEL, k) - 32).to(torch.int8)
+
+
 def panel_index(n: int, per_column: int, rows: torch.Tensor) -> torch.Tensor:
     """Where rows (output columns) of a panel layout [N, per_column bytes] are, as 4-byte words of the
     flat buffer: [len(rows), per_column // 4], each row's steps in order (a step of a column is one
@@ -90,6 +110,9 @@ def unpack_rows(packed: torch.Tensor, layout: str, bits: int, n: int, k: int, ro
     """Rows of a native layout (as unpack_nibbles / unpack_int8 name them) -> int8 [len(rows), K]."""
     if layout == "signed":
         return packed[rows]
+    if layout == "int6_panel":  # the panels that hold the rows, whole
+        panels = packed.view(-1, PANEL, packed.shape[1])[rows // PANEL].reshape(-1, packed.shape[1])
+        return unpack_int6(panels, k).view(len(rows), PANEL, k)[torch.arange(len(rows)), rows % PANEL]
     if bits == 4 and layout != "offset_panel":
         return unpack_nibbles(packed[rows], k, layout)
     words = packed.reshape(-1).view(torch.int32)[panel_index(n, packed.shape[1], rows)]

@@ -343,6 +343,65 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
   }
 }
 
+// Int6 panels (Variant::int6; panel_layout.h): values in [-32, 31] held as nibbles plus a 2-bit
+// plane, run by the W4A8 kernel. Each variant bit-identical to its twin and to the same values on
+// its own int8 path (the same integer sums, folded by the same code: that path is checked against
+// generic and fp64 above), with fp32 scales, with a K-quant's codes (Q6_K: int8 codes under a
+// factor per 16 groups of 16, no offsets; Q5_K: 6-bit codes and minimums, mid 16, groups of 32) and
+// activations per token, per group and per super-block (the integer fold).
+long int6_shapes = 0;
+void check_int6(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int64_t g) {
+  const Variant& twin = *v.twin;
+  const int64_t groups = k / g;
+  std::vector<float> x(m * k);
+  for (auto& e : x) e = rng.uniform() * (rng.range(0, 50) == 0 ? 20.f : 1.f);
+  const cpk::LinearInput in{x.data(), cpk::DType::F32, m, k};
+  std::vector<int8_t> w(n * k);
+  for (auto& e : w) e = int8_t(rng.range(-32, 31));
+  std::vector<uint8_t> p6(n * cpk::int6_bytes_per_column(k));
+  for (int64_t p = 0; p < n / cpk::kPanel; ++p)
+    cpk::pack_int6_panel(k, p, p6.data(), [&](int64_t c, int64_t i) { return uint8_t(w[c * k + i] + 32); });
+  const std::vector<uint8_t> p8 = pack_int8(v, w, n, k);
+  const bool q6k = g == 16, offsets = !q6k;
+  const int64_t per = groups % (q6k ? 16 : 8) == 0 ? (q6k ? 16 : 8) : 1, supers = groups / per;
+  std::vector<uint8_t> sc(n * groups), mc(n * groups);
+  std::vector<float> ssup(n * supers), osup(n * supers), s(n * groups), off(n * groups, 0.f);
+  for (auto& e : ssup) e = std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, rng.range(-13, -11));
+  for (auto& e : osup) e = -std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, -16);
+  for (int64_t i = 0; i < n * groups; ++i) {
+    const int64_t b = (i / groups) * supers + (i % groups) / per;
+    sc[i] = q6k ? uint8_t(int8_t(rng.range(-128, 127))) : uint8_t(rng.range(1, 63));
+    mc[i] = uint8_t(rng.range(0, 63));
+    s[i] = ssup[b] * float(q6k ? float(int8_t(sc[i])) : float(sc[i]));
+    if (offsets) off[i] = 16.f * s[i] + osup[b] * float(mc[i]);
+  }
+  const std::vector<float> sp = pack_scales(v, s, n, groups), off_t = in_chunks(off, n, groups);
+  const std::vector<uint8_t> sc_p = in_scale_order(v, sc, n, groups), mc_t = in_chunks(mc, n, groups);
+  const std::vector<float> ssup_p = in_scale_order(v, ssup, n, supers), osup_t = in_chunks(osup, n, supers);
+  cpk::GroupScales coded, plain;
+  coded.scales = {sc_p.data(), q6k ? cpk::Code::I8 : cpk::Code::U8, ssup_p.data(), per};
+  if (offsets) coded.offsets = {mc_t.data(), cpk::Code::U8, osup_t.data(), per}, coded.mid = 16.f;
+  plain.scales = {sp.data(), cpk::Code::F32, nullptr, 0};
+  if (offsets) plain.offsets = {off_t.data(), cpk::Code::F32, nullptr, 0};
+  ++int6_shapes;
+  for (const cpk::GroupScales* gs : {&plain, &coded})
+    for (bool act_groups : {false, true}) {
+      std::vector<float> got(m * n), want(m * n), int8(m * n);
+      cpk::w4a8_linear(v, kSplit, in, p6.data(), *gs, groups, n, got.data(), act_groups, 2);
+      cpk::w4a8_linear(twin, kSplit, in, p6.data(), *gs, groups, n, want.data(), act_groups, 2);
+      cpk::w8a8_linear(v, kSplit, in, p8.data(), *gs, groups, n, int8.data(), act_groups);
+      const char* what = gs == &plain ? (act_groups ? "int6, activations per group" : "int6")
+                                      : (act_groups ? "int6, codes, activations per group or super-block"
+                                                    : "int6, codes");
+      for (int64_t i = 0; i < m * n; ++i) {
+        checks += 2;
+        if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) fail(what, v.name, m, n, k, g, got[i], want[i]);
+        if (std::memcmp(&got[i], &int8[i], sizeof(float)) != 0)
+          fail("int6 vs the same values as int8", v.name, m, n, k, g, got[i], int8[i]);
+      }
+    }
+}
+
 // The simple GGUF types' scales (Q4_0, Q8_0: an fp16 code per group, no factor; Q4_1: offsets too,
 // mid * scale + an fp16 minimum), coded: bit-identical to the same values stored in fp32 and to the
 // twin, with and without offsets, at decode's M (whose kernels read them in place: LinearArgs::direct)
@@ -700,7 +759,7 @@ int main(int argc, char** argv) {
   const int64_t group_sizes[] = {32, 64, 128, 0};
   std::vector<const void*> attention_checked;
   for (const Variant* v : todo) {
-    const long before = checks, folds_before = fold_shapes;
+    const long before = checks, folds_before = fold_shapes, int6_before = int6_shapes;
     const int failed_before = failures;
     if (v->dot_peak != nullptr) dot_peak_counts(*v);  // a twin row named on the command line has none
     for (int64_t m = 1; m <= 17; ++m)
@@ -714,6 +773,11 @@ int main(int argc, char** argv) {
               check_fp16_codes(*v, rng, m, n, k, group);
             }
           }
+    if (v->int6)
+      for (int64_t m : {1, 2, 3, 5, 17, 40})
+        for (int64_t n : {16, 48, 80})
+          for (int64_t k : {256, 512, 768})
+            for (int64_t g : {16, 32}) check_int6(*v, rng, m, n, k, g);
     for (int64_t m : {1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 50, 97})
       for (int64_t n : {1, 7, 16, 33, 70})
         for (int64_t k : {1, 3, 64, 577})
@@ -731,10 +795,11 @@ int main(int argc, char** argv) {
     if (first_with((const void*)v->prefill_attention)) check_prefills(*v, rng), shared = false;
     std::printf("%s %s (%s int4%s): %ld checks against %s (M 1..17, N 1..70, K 128..4096, groups "
                 "32/64/128/channel; W8A8 also in groups of 16..128, both with offsets (fp32 and coded), fp16 codes with and without offsets, and "
-                "per-group activations at M 1, 2, 3, 5, 17 (K-quant codes per super-block: %ld linears); float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
+                "per-group activations at M 1, 2, 3, 5, 17 (K-quant codes per super-block: %ld linears); int6 panels: %ld linears; float linears, fp32/bf16/fp16 weights, M 1..97, N 1..70, K 1..577; "
                 "decode and prefill attention%s, fp32/bf16/fp16/int8 caches, contiguous and paged, windows; the dot-peak loop's count)%s\n",
                 failures == failed_before ? "ok" : "FAILED", v->name, int4_name(v->int4),
                 cpk::is_panels(v->int4) ? ", panels" : "", checks - before, v->twin->name, fold_shapes - folds_before,
+                int6_shapes - int6_before,
                 shared ? " (the same kernels as an earlier row's: checked there)" : "", v == &best ? " [selected]" : "");
   }
   return failures == 0 ? 0 : 1;

@@ -342,7 +342,7 @@ void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
 }
 
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
-                 int64_t groups, int64_t n, float* out, bool act_groups) {
+                 int64_t groups, int64_t n, float* out, bool act_groups, int64_t high_bits) {
   count(v, kW4A8);
   act_groups = act_groups && groups > 1;
   const ActBlocks ab = act_blocks(s, groups, in.k / groups, act_groups, is_panels(v.int4), in.m);
@@ -361,6 +361,7 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
                         static_cast<const float*>(s.offsets.values),
                         act_groups && !ab.fold};
   if (ab.fold) args.sa_per = ab.block;
+  args.high_bits = high_bits;
   over_outputs(par, v, is_panels(v.int4), n, v.w4a8, args, s, true);
 }
 

@@ -78,7 +78,9 @@ void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, c
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
                  int64_t groups, int64_t n, float* out, bool act_groups);
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const GroupScales& s,
-                 int64_t groups, int64_t n, float* out, bool act_groups);
+                 int64_t groups, int64_t n, float* out, bool act_groups, int64_t high_bits = 0);
+// high_bits 2: w is int6 panels (panel_layout.h; Variant::int6), values in [-32, 31], groups of a
+// multiple of 8 inputs.
 // act_groups: activations quantized per group of the weight's (one int8 scale per token and group,
 // as llama.cpp's Q8 activation blocks) instead of per token; only with groups > 1. A K-quant's
 // integer codes (GroupScales::fold_per): one scale per token and super-block instead (Q8_K's).

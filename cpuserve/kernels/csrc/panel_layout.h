@@ -11,6 +11,13 @@
 //     multiplies whatever follows the activation row by zero.
 //   int4 (offset nibbles w + 8): per 8 inputs j, bytes[c][i] holds column c's input 8j + i in its
 //     low nibble and 8j + 4 + i in its high nibble.
+//   int6 (values w in [-32, 31] stored as w + 32: GGUF's Q6_K, Q5_K, Q5_0, Q5_1 exactly; N a
+//     multiple of 16, K of 32): panel p at 16p * (3K / 4) bytes, first the int4 steps of the low
+//     nibbles ((w + 32) & 15, as above), then per 8 inputs j a 32-byte plane step of the high two
+//     bits: byte e holds lane e of the low-nibble vector (inputs 8j..8j+3) in bits 0-1, lane e + 32
+//     in bits 2-3, lane e of the high-nibble vector (8j+4..8j+7) in bits 4-5, lane e + 32 in bits
+//     6-7 (lane 4c + i: column c, input i). 6 bits a weight where int8 took 8; the kernels join
+//     both parts in registers (one shift and mask a vector) before the same dot products.
 // W4A8 scales [N, groups] are in panel order: panel p at 16p * groups floats, then per group its w
 // columns' scales, so each group's scales are one 16-float (masked) load.
 #pragma once
@@ -48,6 +55,31 @@ inline void pack_int4_panel(int64_t n, int64_t k, int64_t p, uint8_t* dst, const
     for (int64_t c = 0; c < w; ++c)
       for (int64_t i = 0; i < 4; ++i)
         step[c * 4 + i] = uint8_t(nibble(c0 + c, 8 * j + i) | (nibble(c0 + c, 8 * j + 4 + i) << 4));
+  }
+}
+
+// Panel p (full: N a multiple of 16) of an int6 weight [N, K] into dst (the whole [N, 3K / 4]
+// buffer); value(c, i) gives column c's input i as w + 32 (0..63). K a multiple of 8.
+constexpr int64_t kInt6PlaneStep = 32;
+inline int64_t int6_bytes_per_column(int64_t k) { return k / 2 + k / 4; }
+template <typename Value>
+inline void pack_int6_panel(int64_t k, int64_t p, uint8_t* dst, const Value& value) {
+  const int64_t c0 = p * kPanel;
+  uint8_t* panel = dst + c0 * int6_bytes_per_column(k);
+  uint8_t* plane = panel + kPanel * (k / 2);
+  for (int64_t j = 0; j < k / kInt4StepInputs; ++j) {
+    uint8_t* step = panel + j * 4 * kPanel;
+    for (int64_t lane = 0; lane < 4 * kPanel; ++lane) {
+      const int64_t c = c0 + lane / 4, i = lane % 4;
+      step[lane] = uint8_t((value(c, 8 * j + i) & 15) | ((value(c, 8 * j + 4 + i) & 15) << 4));
+    }
+    uint8_t* high = plane + j * kInt6PlaneStep;
+    for (int64_t e = 0; e < kInt6PlaneStep; ++e) {
+      auto top = [&](int64_t lane, int64_t half) {  // the high two bits of a lane's value
+        return (value(c0 + lane / 4, 8 * j + 4 * half + lane % 4) >> 4) & 3;
+      };
+      high[e] = uint8_t(top(e, 0) | (top(e + 32, 0) << 2) | (top(e, 1) << 4) | (top(e + 32, 1) << 6));
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // The scalar twin of the panel layout (panel_layout.h): the panel kernels' own arithmetic, one
 // output at a time, read from the same panel bytes. Integer sums start at the offset correction as
-// the SIMD accumulators do (-128 * sum(a) for offset int8, -8 * sum(group) for offset nibbles);
+// the SIMD accumulators do (-128 * sum(a) for offset int8, -8 * sum(group) for offset nibbles, -32
+// for int6);
 // W4A8 folds each group's int32 into the output with one fused multiply-add in group order, the
 // vector lanes' fmadd. So every panel variant is bit-identical to this twin, W4A8 included.
 #pragma once
@@ -85,36 +86,45 @@ inline void w8a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
   }
 }
 
-// W4A8 panels [p0, p1): offset nibbles, scales in panel order, group sums [M, groups].
+// W4A8 panels [p0, p1): offset nibbles (or int6: the nibbles joined with their plane's two high
+// bits, LinearArgs::high_bits), scales in panel order, group sums [M, groups].
 inline void w4a8_panels_twin(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* w = static_cast<const uint8_t*>(a.w);
   const int64_t k = a.k, n = a.n, groups = a.groups, steps = k / groups / kInt4StepInputs;
+  const bool int6 = a.high_bits != 0;
+  const int64_t per_column = int6 ? int6_bytes_per_column(k) : k / 2;
+  const int32_t layout_offset = int6 ? 32 : 8;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t width = panel_width(n, p), c0 = p * kPanel;
     const float* sp = a.sw + c0 * groups;
+    const uint8_t* plane = w + c0 * per_column + kPanel * (k / 2);  // int6 (full panels only)
     for (int64_t r = 0; r < a.m; ++r) {
       const int8_t* x = a.qa + r * k;
       for (int64_t c = 0; c < width; ++c) {
-        if (a.sa_per != 0) {
-          a.out[r * n + c0 + c] = fold_output(a, p, width, c, r, 8, [&](int64_t g) {
-            int32_t acc = 0;  // the stored nibbles times the activations
-            for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
-              const uint8_t* step = panel_step(w, k / 2, n, p, j) + 4 * c;
-              for (int64_t i = 0; i < 4; ++i)
-                acc += int32_t(step[i] & 0x0F) * x[8 * j + i] + int32_t(step[i] >> 4) * x[8 * j + 4 + i];
+        auto dot = [&](int64_t g) {  // the stored values times the activations
+          int32_t acc = 0;
+          for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
+            const uint8_t* step = panel_step(w, per_column, n, p, j) + 4 * c;
+            for (int64_t i = 0; i < 4; ++i) {
+              int32_t lo = step[i] & 0x0F, hi = step[i] >> 4;
+              if (int6) {  // lane 4c + i: byte (lane % 32) of the plane step, two bits by lane / 32
+                const int64_t lane = 4 * c + i;
+                const uint8_t b = plane[j * kInt6PlaneStep + lane % 32];
+                lo |= ((b >> (2 * (lane / 32))) & 3) << 4;
+                hi |= ((b >> (4 + 2 * (lane / 32))) & 3) << 4;
+              }
+              acc += lo * x[8 * j + i] + hi * x[8 * j + 4 + i];
             }
-            return acc;
-          });
+          }
+          return acc;
+        };
+        if (a.sa_per != 0) {
+          a.out[r * n + c0 + c] = fold_output(a, p, width, c, r, layout_offset, dot);
           continue;
         }
         float y = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
-          int32_t acc = -8 * a.sums[r * groups + g];
-          for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
-            const uint8_t* step = panel_step(w, k / 2, n, p, j) + 4 * c;
-            for (int64_t i = 0; i < 4; ++i)
-              acc += int32_t(step[i] & 0x0F) * x[8 * j + i] + int32_t(step[i] >> 4) * x[8 * j + 4 + i];
-          }
+          const int32_t acc = -layout_offset * a.sums[r * groups + g] + dot(g);
           y = std::fma(float(acc), a.sa_groups ? sp[g * width + c] * a.sa[r * groups + g] : sp[g * width + c], y);
         }
         a.out[r * n + c0 + c] = a.sa_groups ? y : y * a.sa[r];

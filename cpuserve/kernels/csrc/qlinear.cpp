@@ -137,12 +137,17 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto xc = x.contiguous();
   const int64_t k = xc.size(1), n = packed.size(0), groups = scales.size(1);
   const int64_t group = k / groups;
-  TORCH_CHECK(packed.size(1) * 2 == k && group % 32 == 0 && groups * group == k, "w4a8_linear: bad shapes");
+  // int6 panels (pack_int6) by their width: 3K / 4 bytes a row instead of K / 2
+  const bool int6 = k % 32 == 0 && packed.size(1) == cpk::int6_bytes_per_column(k);
+  TORCH_CHECK(!int6 || (v.int6 && n % cpk::kPanel == 0), "w4a8_linear: int6 panels on ", v.name,
+              ", which has none, or N not a multiple of 16");
+  TORCH_CHECK((int6 || packed.size(1) * 2 == k) && group % (int6 ? 8 : 32) == 0 && groups * group == k,
+              "w4a8_linear: bad shapes");
   const cpk::GroupScales s =
       group_scales(scales, scale_super, offsets, offset_super, mid, n, groups, "w4a8_linear scales and offsets");
   auto out = torch::empty({xc.size(0), n}, torch::kFloat32);
   cpk::w4a8_linear(v, torch_parallel(), input_of(xc), packed.data_ptr<uint8_t>(), s, groups, n,
-                   out.data_ptr<float>(), act_groups);
+                   out.data_ptr<float>(), act_groups, int6 ? 2 : 0);
   return finish(out, bias, x.scalar_type());
 }
 
@@ -252,6 +257,30 @@ torch::Tensor pack_int4(torch::Tensor q, const Variant& v) {
       [&](int64_t c, uint8_t* dst) { cpk::pack_int4_row(src + c * k, k, dst, v.int4); });
 }
 
+// int8 values in [-32, 31], [N, K] (N a multiple of 16, K of 32) -> int6 panels, uint8 [N, 3K / 4]
+// (panel_layout.h), for a variant with Variant::int6.
+torch::Tensor pack_int6(torch::Tensor q, const Variant& v) {
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(v.int6, "pack_int6: ", v.name, " has no int6 panels");
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && n % cpk::kPanel == 0 && k % 32 == 0,
+              "pack_int6: int8 [N, K] with N a multiple of 16 and K of 32");
+  auto src_t = q.contiguous();
+  const int8_t* src = src_t.data_ptr<int8_t>();
+  auto out = torch::empty({n, cpk::int6_bytes_per_column(k)}, torch::kUInt8);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::atomic<bool> outside{false};
+  at::parallel_for(0, n / cpk::kPanel, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      cpk::pack_int6_panel(k, p, dst, [&](int64_t c, int64_t i) {
+        const int v = src[c * k + i] + 32;
+        if (v < 0 || v > 63) outside = true;
+        return uint8_t(v & 63);
+      });
+  });
+  TORCH_CHECK(!outside, "pack_int6: values outside [-32, 31]");
+  return out;
+}
+
 // compressed-tensors pack-quantized int32 words [N, W] (word j holds k = 8j..8j+7 as value + 8 at
 // bits 4i) -> the variant's int4 layout, uint8 [N, K / 2], without an int8 copy.
 torch::Tensor words_to_nibbles(torch::Tensor words, int64_t k, const Variant& v) {
@@ -312,6 +341,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def_property_readonly("twin", [](const Variant& v) { return v.twin; }, py::return_value_policy::reference)
       .def_property_readonly("int8_layout", [](const Variant& v) { return int8_layout_name(v.int8); })
       .def_property_readonly("int4_layout", [](const Variant& v) { return int4_layout_name(v.int4); })
+      .def_property_readonly("int6", [](const Variant& v) { return v.int6; })
       .def_property_readonly("runs_here", [](const Variant& v) { return cpk::runs_here(v); })
       .def_property_readonly("dot_peak_macs", [](const Variant& v) { return v.dot_peak_macs; })
       .def("__eq__", [](const Variant& v, const Variant& o) { return &v == &o; })
@@ -341,6 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "signed, signed_panel or offset_panel: how the variant stores W8A8 weights");
   mod.def("pack_scales", &pack_scales, "W4A8 scales in the variant's order (panel order for panel variants)");
   mod.def("pack_int4", &pack_int4, "repack int4 values into the variant's nibble layout");
+  mod.def("pack_int6", &pack_int6, "int8 values in [-32, 31] as int6 panels (w4a8_linear reads them)");
   mod.def("words_to_nibbles", &words_to_nibbles, "pack-quantized int32 words -> the variant's nibble layout");
   mod.def("int4_layout", [](const Variant& v) { return int4_layout_name(v.int4); },
           "offset, twos_complement or offset_panel: how the variant stores int4 nibbles");

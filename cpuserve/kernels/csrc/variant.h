@@ -52,6 +52,9 @@ struct LinearArgs {
   // sa_per groups, and the grouped kernels fold each super-block's integer sums: out =
   // sum_b sa_b * (S_b * sum_g code_g * (dot_g + mid * gsum_g) + O_b * sum_g ocode_g * gsum_g).
   int64_t sa_per = 0;
+  // 2: the W4A8 weight is int6 (panel_layout.h: the nibbles plus a 2-bit plane per panel, stored
+  // w + 32); 0: int4. Only on variants with Variant::int6.
+  int64_t high_bits = 0;
 };
 
 // One unquantized matmul: x [M, K] fp32, w float panels [panels, K, 16] of wtype (float_panels.h),
@@ -93,6 +96,7 @@ struct Variant {
   DotPeak dot_peak = nullptr;  // its dot instructions' peak loop (dot_peak.h); the twins have none
   int64_t dot_peak_macs = 0;   // multiply-adds per round of that loop
   int64_t direct_rows = 0;     // its grouped panel kernels read LinearArgs::direct for up to this many rows
+  bool int6 = false;           // its W4A8 kernel reads int6 panels (LinearArgs::high_bits)
 };
 
 // The ops counted per variant: one relaxed atomic increment per call, so a test can show which

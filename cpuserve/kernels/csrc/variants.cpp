@@ -39,24 +39,26 @@ const Variant kTwosComplementTwin{"generic_twos_complement", 1, 0, I8::SignedRow
                                   decode_attention_generic, prefill_attention_generic, &kTwosComplementTwin, true, float_panels_twin};
 const Variant kOffsetPanelsTwin{"generic_offset_panels", 2, 0, I8::OffsetPanels, I4::OffsetPanels,
                                 w8a8_generic_offset_panels, w4a8_generic_panels, quantize_row_generic,
-                                decode_attention_generic, prefill_attention_generic, &kOffsetPanelsTwin, true, float_panels_twin};
+                                decode_attention_generic, prefill_attention_generic, &kOffsetPanelsTwin, true, float_panels_twin,
+                                nullptr, 0, 0, true};
 const Variant kSignedPanelsTwin{"generic_signed_panels", 3, 0, I8::SignedPanels, I4::OffsetPanels,
                                 w8a8_generic_signed_panels, w4a8_generic_panels, quantize_row_generic,
-                                decode_attention_generic, prefill_attention_generic, &kSignedPanelsTwin, true, float_panels_twin};
+                                decode_attention_generic, prefill_attention_generic, &kSignedPanelsTwin, true, float_panels_twin,
+                                nullptr, 0, 0, true};
 
 // name, index, needs, int8 layout, int4 layout, w8a8, w4a8, quantizer, decode and prefill attention, twin, W4A8 exact,
 // float linear, dot-peak loop and its multiply-adds per round, rows up to which the grouped kernels
-// read scales and offsets as stored
+// read scales and offsets as stored, whether its W4A8 kernel reads int6 panels
 #if defined(__x86_64__)
 const Variant kArch[] = {
     {"avx2", 4, kAvx2, I8::SignedPanels, I4::OffsetPanels, w8a8_avx2, w4a8_avx2, quantize_row_avx2,
-     decode_attention_avx2, prefill_attention_avx2, &kSignedPanelsTwin, true, float_linear_avx2, dot_peak_avx2, kDotPeakAvx2Macs, 2},
+     decode_attention_avx2, prefill_attention_avx2, &kSignedPanelsTwin, true, float_linear_avx2, dot_peak_avx2, kDotPeakAvx2Macs, 2, true},
     {"avx_vnni", 5, kAvx2 | kAvxVnni, I8::OffsetPanels, I4::OffsetPanels, w8a8_avx_vnni, w4a8_avx_vnni,
      quantize_row_avx2, decode_attention_avx2, prefill_attention_avx2, &kOffsetPanelsTwin, true, float_linear_avx2, dot_peak_avx_vnni,
-     kDotPeakAvxVnniMacs, 2},
+     kDotPeakAvxVnniMacs, 2, true},
     {"avx512_vnni", 6, kAvx2 | kAvx512Vnni, I8::OffsetPanels, I4::OffsetPanels, w8a8_avx512_vnni, w4a8_avx512_vnni,
      quantize_row_avx512_vnni, decode_attention_avx512_vnni, prefill_attention_avx512_vnni, &kOffsetPanelsTwin, true, float_linear_avx512,
-     dot_peak_avx512_vnni, kDotPeakAvx512VnniMacs, 2},
+     dot_peak_avx512_vnni, kDotPeakAvx512VnniMacs, 2, true},
 };
 #elif defined(__aarch64__)
 const Variant kArch[] = {

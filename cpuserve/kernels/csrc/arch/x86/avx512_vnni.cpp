@@ -276,16 +276,41 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
   end_block<R, P, A>(run, src, facc, oacc, sa, out, n);
 }
 
+// An int6 weight's 2-bit planes (panel_layout.h), one 32-byte step a panel per 8 inputs, joined into
+// the nibble vectors: lo's lanes take bits 0-1 (lanes 0-31) and 2-3 (32-63) of their byte, hi's
+// bits 4-5 and 6-7, each moved to bits 4-5 by a per-16-bit-lane shift and masked.
+template <int P>
+struct Planes {
+  const uint8_t* at[P];
+  int64_t ahead;
+  __attribute__((target(CPK_VNNI_TARGET), always_inline)) Planes(const PanelRun& run, int64_t k) : ahead(run.ahead) {
+    #pragma GCC unroll 4
+    for (int i = 0; i < P; ++i) at[i] = run.base[i] + kPanel * (k / 2);
+  }
+  __attribute__((target(CPK_VNNI_TARGET), always_inline)) void join(int i, __m512i& lo, __m512i& hi) {
+    const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[i])));
+    if (ahead != 0) prefetch_l2(at[i], ahead);
+    at[i] += kInt6PlaneStep;
+    constexpr long long kBy4 = 0x0004000400040004LL, kBy2 = 0x0002000200020002LL;  // per 16-bit lane
+    const __m512i two = _mm512_set1_epi8(0x30);
+    const __m512i up = _mm512_set_epi64(kBy2, kBy2, kBy2, kBy2, kBy4, kBy4, kBy4, kBy4);  // bytes 0-31: 4
+    const __m512i down = _mm512_set_epi64(kBy2, kBy2, kBy2, kBy2, 0, 0, 0, 0);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_sllv_epi16(bits, up), two));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srlv_epi16(bits, down), two));
+  }
+};
+
 // W4A8: R rows (qa [R, K], group sums gs [R, groups]) x P panels, scales from src. out = sa[r] *
-// sum_g s_g * dot_g.
-template <int R, int P, int A, typename Groups>
+// sum_g s_g * dot_g. HB 2: int6 panels (the nibbles plus their planes, stored w + 32).
+template <int R, int P, int A, typename Groups, int HB = 0>
 __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;  // 8-input steps per group
-  const int32_t start = acc_start<A>(src, 8);
+  const int32_t start = acc_start<A>(src, 8 << HB);
+  Planes<P> planes(run, k);
   __m512 facc[R][P], oacc[R][P];
   __m512i iacc[R][P], macc[R][P];
   #pragma GCC unroll 4
@@ -313,8 +338,9 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
       #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) {
         const __m512i v = w.next(i);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i lo = _mm512_and_si512(v, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (HB != 0) planes.join(i, lo, hi);
         #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], lo, alo[r]);
@@ -349,8 +375,14 @@ struct U4Panels {
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
     with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      u4_panel_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                                  a.out + r * a.n + run.c0, a.n);
+      constexpr int A = decltype(acts)::value;
+      using G = std::decay_t<decltype(src)>;
+      if (a.high_bits != 0)
+        u4_panel_block<R, P, A, G, 2>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                      a.out + r * a.n + run.c0, a.n);
+      else
+        u4_panel_block<R, P, A, G>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                   a.out + r * a.n + run.c0, a.n);
     });
   }
 };
@@ -366,7 +398,8 @@ __attribute__((target(CPK_VNNI_TARGET))) void w8a8_avx512_vnni(const LinearArgs&
 // W4A8 panels [p0, p1) with scales in panel order, for all M rows.
 __attribute__((target(CPK_VNNI_TARGET))) void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np, a.m <= kPrefetchRows), a}; });
+  const int64_t per_column = a.high_bits != 0 ? int6_bytes_per_column(a.k) : a.k / 2;
+  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 
 // max_ps(a, b) returns b when a is NaN: with the running maximum (or the clamp bound) second, NaN

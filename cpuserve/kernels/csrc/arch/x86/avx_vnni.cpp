@@ -78,7 +78,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
   end_block_halves<R, P, A>(run, src, sums, sa, out, n);
 }
 
-template <int R, int P, int A, typename Groups>
+template <int R, int P, int A, typename Groups, int HB = 0>  // HB 2: int6 panels (join_plane_half)
 __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const PanelRun& run, const int8_t* qa,
                                                                         const int32_t* gs, int64_t k, int64_t groups,
                                                                         const Groups& src, const float* sa, float* out,
@@ -92,7 +92,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
       #pragma GCC unroll 4
-      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8) * gs[r * groups + g]);
+      for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8 << HB) * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
       #pragma GCC unroll 4
       for (int i = 0; i < P; ++i)
@@ -100,7 +100,8 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load_half(run, i, h, j);
           if (h == 0) prefetch_ahead(run, i, j);
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (HB != 0) join_plane_half(run, i, h, k, j, lo, hi);
           #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], lo, broadcast4_ymm(qa + r * k + 8 * j));
@@ -133,7 +134,14 @@ struct U4Panels {
   template <int R, int P>
   __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
     with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      u4_panel_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
+      constexpr int A = decltype(acts)::value;
+      using G = std::decay_t<decltype(src)>;
+      if (a.high_bits != 0)
+        u4_panel_block<R, P, A, G, 2>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                      a.out + r * a.n + run.c0, a.n);
+      else
+        u4_panel_block<R, P, A, G>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                   a.out + r * a.n + run.c0, a.n);
     });
   }
 };
@@ -157,7 +165,8 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) void w8a8_avx_vnni(const LinearArgs
 
 __attribute__((target(CPK_AVX_VNNI_TARGET))) void w4a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, a.k / 2, a.n, p, np, a.m <= kPrefetchRows), a}; });
+  const int64_t per_column = a.high_bits != 0 ? int6_bytes_per_column(a.k) : a.k / 2;
+  blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 
 }  // namespace cpk

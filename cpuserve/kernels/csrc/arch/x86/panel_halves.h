@@ -53,6 +53,22 @@ struct HalfStreams {
   }
 };
 
+// An int6 weight's 2-bit plane (panel_layout.h) joined into half h's nibble vectors: step j of
+// panel i's plane is 32 bytes after the panel's nibbles; half 0's lo takes bits 0-1 of its byte, half
+// 1's bits 2-3, hi bits 4-5 and 6-7, each moved to bits 4-5 and masked.
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void join_plane_half(const PanelRun& run, int i,
+                                                                                    int h, int64_t k, int64_t j,
+                                                                                    __m256i& lo, __m256i& hi) {
+  const __m256i bits = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(run.base[i] + kPanel * (k / 2) + j * kInt6PlaneStep));
+  if (h == 0 && run.ahead != 0) prefetch_l2(run.base[i] + kPanel * (k / 2) + j * kInt6PlaneStep, run.ahead);
+  const __m256i two = _mm256_set1_epi8(0x30);
+  const __m256i l = h == 0 ? _mm256_slli_epi16(bits, 4) : _mm256_slli_epi16(bits, 2);
+  const __m256i u = h == 0 ? bits : _mm256_srli_epi16(bits, 2);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(l, two));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(u, two));
+}
+
 // vbroadcastss from memory: a load-port operation (set1 of a loaded int went through a general
 // register, movd and vpbroadcastd: three ALU operations per broadcast, the inner loop's bottleneck).
 __attribute__((target(CPK_AVX2_TARGET))) inline __m256i broadcast4_ymm(const int8_t* p) {
