@@ -463,17 +463,28 @@ def test_engine_longrope_past_the_original_length_equals_transformers_forward_ca
         assert out.outputs[0].token_ids == want, prompt
 
 
-def test_a_16_bit_untied_embedding_stays_16_bit_in_float32_and_a_quantized_head_is_the_same(tmp_path):
+def test_a_16_bit_untied_embedding_stays_16_bit_in_float32_and_a_quantized_head_is_the_same(tmp_path, monkeypatch):
     """Served in float32 (an AVX2 host's --dtype auto), a bfloat16 checkpoint's untied embedding is
     kept in bfloat16 and widened per row: logits equal transformers' float32 model of the same
-    weights. An output head quantized at load comes from the stored bfloat16, never a float32
-    copy: the same int8 values and scales as the head quantized in a bfloat16 load."""
+    weights. An output head quantized at load is quantized from the stored bfloat16, never a float32
+    copy, and gives the same int8 values and scales as the head quantized in a bfloat16 load."""
+    from cpuserve.model import loader
+    from cpuserve.model.quantized_embedding import WidenedEmbedding
+
+    quantized_from = []
+    quantize = loader.quantize_weight_in_chunks
+
+    def spy(w, *args):
+        quantized_from.append(w.dtype)
+        return quantize(w, *args)
+
+    monkeypatch.setattr(loader, "quantize_weight_in_chunks", spy)
     _make("llama-untied", tmp_path / "fp32").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     # read back in float32 (rope tables made anew: a model cast to bfloat16 and back has rounded ones)
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", torch_dtype=torch.float32).eval()
     ours = load_model(tmp_path / "bf16", "float32")
     table = ours.model.embed_tokens
-    assert type(table).__name__ == "WidenedEmbedding" and table.weight.dtype == torch.bfloat16
+    assert isinstance(table, WidenedEmbedding) and table.weight.dtype == torch.bfloat16
     assert ours.dtype == torch.float32
     ids = torch.randint(0, TINY["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -484,5 +495,6 @@ def test_a_16_bit_untied_embedding_stays_16_bit_in_float32_and_a_quantized_head_
     tied.to(torch.bfloat16).save_pretrained(tmp_path / "tied-bf16")
     assert isinstance(load_model(tmp_path / "tied-bf16", "float32").model.embed_tokens, torch.nn.Embedding)
     heads = [load_model(tmp_path / "bf16", dtype, quantize_lm_head="int8").lm_head for dtype in ("float32", "bfloat16")]
+    assert quantized_from == [torch.bfloat16, torch.bfloat16]
     assert torch.equal(heads[0].int_weight(), heads[1].int_weight())
     assert torch.equal(heads[0].weight_scales().float(), heads[1].weight_scales().float())

@@ -48,8 +48,8 @@ def test_an_unknown_head_kind_is_refused(smol_dir):
 
 def test_an_untied_head_is_quantized_from_its_own_float_weight(tmp_path):
     """An untied float head is packed to float panels like any float linear, except when it is to be
-    quantized (the default on the kernels): then it must still hold its weight (the MiniCPM5-2B shape
-    failed to load with the int8 head default before)."""
+    quantized (the default on the kernels): then it is quantized from the checkpoint's weight (the
+    MiniCPM5-2B shape failed to load with the int8 head default before)."""
     from cpuserve.quant.methods import select_kernel
     from tests.test_architectures import TINY, _make
 

@@ -62,7 +62,8 @@ def model_facts(
             if stored in FLOAT_DTYPES:
                 per_group = n.endswith(("weight_scale", "weight_offset"))  # fp32 per group, not parameters
                 held = 4 if per_group else elem
-                if n == "model.embed_tokens.weight" and stored != "F32" and not spec.tie_word_embeddings:
+                widened = n == "model.embed_tokens.weight" and stored != "F32" and not spec.tie_word_embeddings
+                if widened and not hasattr(ckpt, "quantized_table"):  # a GGUF's float tables read as float32
                     held = min(held, 2)  # kept 16-bit, rows widened (quantized_embedding.WidenedEmbedding)
                 weight_bytes += count * held
                 native_bytes += count * held

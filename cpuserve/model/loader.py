@@ -3,7 +3,9 @@
 The model is built on the meta device with each linear's quant method chosen (model/linears.py);
 every checkpoint tensor is then checked (name, shape, dtype) and read once into its place: float
 tensors into the model's parameters, each linear's shards into its layer, which its method packs
-for the chosen kernel as soon as the layer is complete (one layer's unpacked copy at a time).
+for the chosen kernel as soon as the layer is complete (one layer's unpacked copy at a time). An
+untied float head to be quantized is read as stored and quantized from that; an untied 16-bit
+embedding served in float32 stays 16-bit (quantized_embedding.WidenedEmbedding).
 """
 
 from __future__ import annotations
@@ -92,15 +94,16 @@ def _quantized_lm_head(
     """Opt-in: the output head quantized like the body's linears, per-token int8 activations. A
     decode step reads the whole head (49152 x 576 for SmolLM2, 130560 x 2048 for MiniCPM5-2B): int8
     halves a bf16 head's bytes, int4 quarters them; logits move by the quantization error
-    (tests/test_lm_head.py bounds it). weight: the head as the checkpoint stores it (an untied head,
-    never converted to the compute dtype: quantization works in float32 from any float dtype, so
-    the result is the same, and a float32 copy of a 2B head was 1 GB of the load's peak)."""
+    (tests/test_lm_head.py bounds it). weight: an untied head as the checkpoint stores it, not
+    converted to the compute dtype first: quantization works in float32 from any float dtype, so
+    where the compute dtype holds the stored values exactly (bf16 or fp16 served in float32, or the
+    same dtype) the result is the same, and closer to the checkpoint where it is narrower (float32
+    stored, served in bf16); a float32 copy of a 2B head was 1 GB of the load's peak."""
     quant = lm_head_quant(kind, head.in_features)
     # int8: the absmax scale. The least-error search (eight candidate scales, eight passes) gains
     # nothing measurable with 255 levels (tests/test_lm_head.py) and took ~23 s of a 2B load.
     w = head.weight if weight is None else weight
     q, scale = quantize_weight_in_chunks(w, quant, "minmax" if quant.bits == 8 else "mse")
-    del w, weight
     method = IntWeightMethod(quant, dtype)
     with torch.device("meta"):
         new = Linear(head.in_features, [head.out_features], False, method)
@@ -122,7 +125,7 @@ def _loaded_in_slices(layer: Linear, shards: list, ckpt: Any, kernel: KernelChoi
     return slices is not None and layer.method.load_packed(layer, prefix, ckpt, slices, kernel)
 
 
-def _stays_16_bit(table: torch.Tensor, dtype: torch.dtype, spec: Any) -> bool:
+def _stays_16_bit(table: torch.Tensor, dtype: torch.dtype, spec: ModelSpec) -> bool:
     """An untied 16-bit embedding served in float32 is kept 16-bit, its rows widened on lookup
     (WidenedEmbedding): exact, at half the bytes. A tied table is also the head's weight."""
     return dtype == torch.float32 and table.dtype in (torch.bfloat16, torch.float16) and not spec.tie_word_embeddings
@@ -239,7 +242,7 @@ def load_model(
             if _loaded_in_slices(layer, shards[name], ckpt, kernel):
                 bar.update()
                 continue
-            if name == "lm_head" and quantize_lm_head and layer.quant is None and layer.bias is None:
+            if name == "lm_head" and quantize_lm_head and layer.quant is None:  # (the head has no bias)
                 ((prefix, tensors),) = shards[name]
                 head_weight = fetch_float(ckpt, f"{prefix}.weight", tensors[f"{prefix}.weight"])
                 bar.update()
@@ -249,11 +252,7 @@ def load_model(
                 if layer.bias is not None:
                     bias = f"{prefix}.bias"
                     layer.load_bias(i, fetch_float(ckpt, bias, tensors[bias]))
-            # packed once; an untied float head that is to be quantized keeps its weight for that
-            keep_float = name == "lm_head" and bool(quantize_lm_head) and layer.quant is None
-            layer.method.process_weights_after_loading(
-                layer, kernel if layer.quant else (None if keep_float else dense_kernel)
-            )
+            layer.method.process_weights_after_loading(layer, kernel if layer.quant else dense_kernel)  # once
             bar.update()
         bar.close()
     if from_head:

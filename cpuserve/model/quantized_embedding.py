@@ -12,7 +12,7 @@ A table that is also the output head (a tied GGUF: Gemma 3, SmolLM2) is not kept
 HeadRowsEmbedding looks its rows up in the head's packed weights (the kernel's layout), which hold
 the same values and scales.
 
-A 16-bit float table served in float32 (an AVX2 host's --dtype auto) stays 16-bit (WidenedEmbedding):
+An untied 16-bit float table served in float32 (an AVX2 host's --dtype auto) stays 16-bit (WidenedEmbedding):
 widening is exact, so its rows are the float32 table's, at half the bytes (the 2B shape's 130k x
 2048 table: 535 MB instead of 1070).
 """
