@@ -287,6 +287,11 @@ def load_model(
         on_kernel = sum(m.kernel is not None for m in quantized)
         runs = f"native {kernel.variant}" if kernel is not None else "reference (pure torch)"
         log.info("quantized linears: %s (%d/%d layers; the rest reference)", runs, on_kernel, len(quantized))
+        int6 = sum(m.packed_layout == "int6_panel" for m in quantized)
+        if int6:
+            log.info("  %d of them held as int6 panels (8-bit values within [-32, 31], 6 bits a weight)", int6)
+        elif kernel is not None and any(m.quant.int6 for m in quantized):
+            log.info("  held as int8: %s has no int6 panels, or the shapes are not whole panels", kernel.variant)
     log.info(
         "loaded %s from %s: %d layers, hidden %d, %s%s",
         spec.architecture,
