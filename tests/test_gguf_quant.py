@@ -262,19 +262,31 @@ def test_the_bundled_gguf_serves_on_the_kernels_close_to_its_float_weights(bundl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_embedding_gives_the_float_tables_rows_exactly(kind, dtype):
     """The table kept as in the file: each looked-up row bit-identical to the dequantized table's row in
-    the compute dtype (what the float table held), int4 types two values a byte."""
+    the compute dtype (what the float table held), with fp32 scales or with the file's codes; int4
+    types two values a byte, the Q5 types and Q6_K 6 bits a value, the codes a byte or two a group."""
     from cpuserve.model.quantized_embedding import QuantizedEmbedding
 
     n, k = 70, 512
     d = decode(kind, _random_blocks(kind, n, k, seed=11), n, k, "t")
     table = torch.from_numpy(d.dequantized()).to(dtype)
-    embedding = QuantizedEmbedding(d.values, d.scales, d.offsets, dtype)
     ids = torch.tensor([[0, 69, 5, 5], [33, 1, 68, 0]])
-    got = embedding(ids)
-    assert got.dtype == dtype and got.shape == (2, 4, k)
-    assert torch.equal(got, table[ids])
-    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, k)  # as nn.Embedding: no ids, no rows
-    assert embedding.values.element_size() * embedding.values.numel() == n * k * SCHEMES[kind].bits // 8
+    bits = SCHEMES[kind].bits if not SCHEMES[kind].int6 else 6
+    for embedding in (
+        QuantizedEmbedding(d.values, d.scales, d.offsets, dtype),
+        QuantizedEmbedding(d.values, None, None, dtype, d.codes, SCHEMES[kind].coding),
+    ):
+        got = embedding(ids)
+        assert got.dtype == dtype and got.shape == (2, 4, k)
+        assert torch.equal(got, table[ids])
+        assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, k)  # as nn.Embedding: no ids, no rows
+        held = sum(t.numel() * t.element_size() for t in embedding.buffers())
+        values = n * k * bits // 8
+        groups = n * k // SCHEMES[kind].group
+        if embedding.coding is None:  # fp32 scales (and offsets)
+            assert held == values + groups * 4 * (2 if d.offsets is not None else 1)
+        else:  # a code a group (and an offset code), fp32 factors per super-block
+            assert held == values + sum(a.nbytes for a in vars(d.codes).values() if a is not None)
+            assert held < values + groups * 2 * (2 if d.offsets is not None else 1) + 1
 
 
 @pytest.mark.parametrize("kind", TYPES)

@@ -270,7 +270,8 @@ class GGUFCheckpoint:
             return None
         d = decode(t.kind, self._read(t), *t.shape, f"{self.path}: tensor '{t.gguf_name}'")
         offsets = None if d.offsets is None else self._rows_of(base, d.offsets)
-        return DecodedWeight(self._rows_of(base, d.values), self._rows_of(base, d.scales), offsets, d.scheme)
+        codes = None if d.codes is None else d.codes.rows(lambda a: self._rows_of(base, a))
+        return DecodedWeight(self._rows_of(base, d.values), self._rows_of(base, d.scales), offsets, d.scheme, codes)
 
     def row_slices(self, prefix: str, rows: int) -> Iterator[tuple[int, DecodedWeight]] | None:
         """The output head's decoded blocks `rows` rows at a time, (first row, slice), decoded from

@@ -11,6 +11,8 @@ row, so a fused layer computes exactly what the parts did.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cpuserve.errors import ConfigError
@@ -51,6 +53,15 @@ class LinearFactory:
     def fused(self, prefix: str, parts: list[str], in_features: int, sizes: list[int], bias: bool) -> Linear | None:
         """One layer for parts that read the same input, or None (not fusing, or methods differ)."""
         methods = [self.method(f"{prefix}{part}", in_features) for part in parts]
-        if not self.fuse or any(m != methods[0] for m in methods):
+        # int6 says how the values may be held, not what they are: Q5_0 (int6) and Q8_0 parts are one
+        # int8 scheme and fuse, held as int8 unless every part's values fit int6
+        quants = [getattr(m, "quant", None) for m in methods]
+        plain = [dataclasses.replace(q, int6=False) if q is not None else None for q in quants]
+        if not self.fuse or any(type(m) is not type(methods[0]) or m.dtype != methods[0].dtype for m in methods):
             return None
-        return Linear(in_features, sizes, bias, methods[0])
+        if any(q != plain[0] for q in plain):
+            return None
+        method = methods[0]
+        if quants[0] is not None and quants[0].int6 and not all(q.int6 for q in quants):
+            method = method_for(plain[0], self.dtype)
+        return Linear(in_features, sizes, bias, method)

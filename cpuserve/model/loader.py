@@ -226,7 +226,9 @@ def load_model(
                     f"expected {expected[EMBEDDING]} from config.json"
                 )
             if table is not None:  # built now: the decoded table goes before the linears load
-                embedding = QuantizedEmbedding(table.values, table.scales, table.offsets, torch_dtype)
+                embedding = QuantizedEmbedding(
+                    table.values, table.scales, table.offsets, torch_dtype, table.codes, table.scheme.coding
+                )
                 del table
         for name in expected:
             if name != EMBEDDING or (embedding is None and not from_head):

@@ -25,43 +25,95 @@ import numpy as np
 import torch
 from torch import nn
 
+from cpuserve.quant.scale_codes import expand_offsets, expand_scales
+
 
 class QuantizedEmbedding(nn.Module):
-    """Rows [V, K] as int4 nibbles (values in [-8, 7]) or int8, with scales (and offsets) per group."""
+    """Rows [V, K] as int4 nibbles (values in [-8, 7]), 6 bits (values in [-32, 31]: the nibbles plus
+    a plane of the top two bits, Q5_* and Q6_K tables) or int8, with scales (and offsets) per group:
+    fp32, or as the file codes them (codes, coding: quant/scale_codes.py, expanded for the looked-up
+    rows only, by the same function that gives the fp32 values: the same bits)."""
 
-    def __init__(self, values: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        values: np.ndarray,
+        scales: np.ndarray | None,
+        offsets: np.ndarray | None,
+        dtype: torch.dtype,
+        codes: Any = None,
+        coding: Any = None,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = values.shape
-        self.group = self.embedding_dim // scales.shape[1]
+        groups = (codes.scale_code if codes is not None else scales).shape[1]
+        self.group = self.embedding_dim // groups
         self.dtype = dtype
         q = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int8))
-        self.nibbles = bool(q.numel()) and int(q.min()) >= -8 and int(q.max()) <= 7
-        if self.nibbles:  # two values a byte: low nibble the even column, high the odd, each + 8
+        low, high = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
+        six = low >= -32 and high <= 31 and self.embedding_dim % 4 == 0
+        self.bits = 4 if low >= -8 and high <= 7 else 6 if six else 8
+        tops = None
+        if self.bits < 8:  # two values a byte (low nibble the even column), + 8 or + 32; 6 bits: the top two
+            bias = 8 if self.bits == 4 else 32
             packed = torch.empty(self.num_embeddings, self.embedding_dim // 2, dtype=torch.uint8)
+            if self.bits == 6:  # four columns' top two bits a byte, column 4b + t at bits 2t
+                tops = torch.empty(self.num_embeddings, self.embedding_dim // 4, dtype=torch.uint8)
             step = max(1, (1 << 22) // self.embedding_dim)  # rows at a time: small temporaries
             for r0 in range(0, self.num_embeddings, step):
-                u = (q[r0 : r0 + step] + 8).view(torch.uint8).view(-1, self.embedding_dim // 2, 2)
-                packed[r0 : r0 + step] = u[..., 0] | (u[..., 1] << 4)
+                u = (q[r0 : r0 + step].to(torch.int16) + bias).to(torch.uint8)
+                pairs = (u & 0x0F).view(-1, self.embedding_dim // 2, 2)
+                packed[r0 : r0 + step] = pairs[..., 0] | (pairs[..., 1] << 4)
+                if tops is not None:
+                    t = (u >> 4).view(-1, self.embedding_dim // 4, 4)
+                    tops[r0 : r0 + step] = t[..., 0] | (t[..., 1] << 2) | (t[..., 2] << 4) | (t[..., 3] << 6)
             q = packed
         self.register_buffer("values", q.contiguous())
-        self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)))
-        offsets_t = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32))
-        self.register_buffer("offsets", offsets_t)
+        self.register_buffer("tops", tops)
+        self.coding = coding if codes is not None else None
+        as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+        if codes is not None:
+            self.register_buffer("scales", None)
+            self.register_buffer("offsets", None)
+            for part in ("scale_code", "scale_super", "offset_code", "offset_super"):
+                self.register_buffer(part, as_tensor(getattr(codes, part)))
+        else:
+            self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)))
+            offsets_t = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32))
+            self.register_buffer("offsets", offsets_t)
+
+    def _rows_scales(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The looked-up rows' fp32 scales and offsets [R, G]."""
+        if self.coding is None:
+            offsets = None if self.offsets is None else self.offsets.index_select(0, flat)
+            return self.scales.index_select(0, flat), offsets
+        pick = lambda t: None if t is None else t.index_select(0, flat)  # noqa: E731
+        c = self.coding
+        scales = expand_scales(pick(self.scale_code), pick(self.scale_super), c.per)
+        if self.offset_code is None:
+            return scales, None
+        return scales, expand_offsets(scales, pick(self.offset_code), pick(self.offset_super), c.per, c.mid)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         q = self.values.index_select(0, flat)
-        if self.nibbles:
-            q = torch.stack([(q & 0x0F), (q >> 4)], dim=-1).view(len(flat), self.embedding_dim).to(torch.int8) - 8
+        if self.bits < 8:
+            u = torch.stack([(q & 0x0F), (q >> 4)], dim=-1).view(len(flat), self.embedding_dim).to(torch.int16)
+            if self.tops is not None:
+                t = self.tops.index_select(0, flat).to(torch.int16)
+                top = torch.stack([(t >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).view(len(flat), self.embedding_dim)
+                u = u | (top << 4)
+            q = u - (8 if self.bits == 4 else 32)
         groups = self.embedding_dim // self.group
-        rows = q.float().view(len(flat), groups, self.group) * self.scales.index_select(0, flat).unsqueeze(-1)
-        if self.offsets is not None:
-            rows = rows + self.offsets.index_select(0, flat).unsqueeze(-1)
+        scales, offsets = self._rows_scales(flat)
+        rows = q.float().view(len(flat), groups, self.group) * scales.unsqueeze(-1)
+        if offsets is not None:
+            rows = rows + offsets.unsqueeze(-1)
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:
-        kind = "int4" if self.nibbles else "int8"
-        return f"{self.num_embeddings}, {self.embedding_dim}, {kind} groups of {self.group}, out {self.dtype}"
+        kind = {4: "int4", 6: "6-bit", 8: "int8"}[self.bits]
+        scales = "coded scales" if self.coding is not None else "fp32 scales"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind} groups of {self.group}, {scales}, out {self.dtype}"
 
 
 class HeadRowsEmbedding(nn.Module):
