@@ -5,6 +5,8 @@
 // <= 7620). Exact integers and the panel twin's epilogues: bit-identical to it. Also the AVX2
 // activation quantizer (decode attention: attention_avx2.cpp).
 #if defined(__x86_64__)
+#include <vector>
+
 #include "../../quantize.h"
 #include "kernels.h"
 #include "panel_halves.h"
@@ -175,6 +177,19 @@ struct U4Panels {
   }
 };
 
+// Int6 panels widened for prefill (widen_int6_run_halves): the W8A8 grouped blocks over them.
+struct WidenedInt6 {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
+    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+      s8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                                  a.out + r * a.n + run.c0, a.n);
+    });
+  }
+};
+
 }  // namespace
 
 __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
@@ -189,6 +204,14 @@ __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int
 __attribute__((target(CPK_AVX2_TARGET))) void w4a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
   const int64_t per_column = a.high_bits != 0 ? int6_bytes_per_column(a.k) : a.k / 2;
+  if (a.high_bits != 0 && a.m > kPrefetchRows) {  // prefill: each run widened once, signed int8
+    thread_local std::vector<uint8_t> wide;
+    wide.resize(kPanel * a.k);
+    for_each_run<2, 1>(a.m, p0, p1, [&](int64_t p, int64_t np) {
+      return WidenedInt6{widen_int6_run_halves(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data(), -32), a};
+    });
+    return;
+  }
   auto make = [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; };
   if (a.m == 1)
     for_each_run<1, 2>(a.m, p0, p1, make);

@@ -5,6 +5,8 @@
 // correction, as avx512_vnni's do. Exact integers and the panel twin's epilogues: bit-identical to it.
 // Its quantizer and attention are AVX2's (the table row points at them).
 #if defined(__x86_64__)
+#include <vector>
+
 #include "kernels.h"
 #include "panel_halves.h"
 
@@ -146,6 +148,19 @@ struct U4Panels {
   }
 };
 
+// Int6 panels widened for prefill (widen_int6_run_halves): the W8A8 grouped blocks over them.
+struct WidenedInt6 {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
+    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
+      u8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
+                                                  a.out + r * a.n + run.c0, a.n);
+    });
+  }
+};
+
 // Decode streams 2 panels at once; prefill blocks of 2 tokens x 2 panels (8 accumulators: the 16
 // ymm registers also hold 4 weight halves and the broadcasts).
 template <typename Make>
@@ -166,6 +181,14 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) void w8a8_avx_vnni(const LinearArgs
 __attribute__((target(CPK_AVX_VNNI_TARGET))) void w4a8_avx_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
   const int64_t per_column = a.high_bits != 0 ? int6_bytes_per_column(a.k) : a.k / 2;
+  if (a.high_bits != 0 && a.m > kPrefetchRows) {  // prefill: each run widened once, offset int8
+    thread_local std::vector<uint8_t> wide;
+    wide.resize(2 * kPanel * a.k);
+    blocks(a, p0, p1, [&](int64_t p, int64_t np) {
+      return WidenedInt6{widen_int6_run_halves(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data(), 96), a};
+    });
+    return;
+  }
   blocks(a, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; });
 }
 

@@ -69,6 +69,34 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void join_plane_h
   hi = _mm256_or_si256(hi, _mm256_and_si256(u, two));
 }
 
+// Int6 panels in prefill (as avx512_vnni's widen_int6_run): the run's np panels widened once into
+// dst as int8 panels, each byte the stored w + 32 plus `lift` (-32: SignedPanels' w; 96: OffsetPanels'
+// w + 128), for the W8A8 grouped blocks; returns the run over dst.
+__attribute__((target(CPK_AVX2_TARGET))) inline PanelRun widen_int6_run_halves(const PanelRun& run, int64_t np,
+                                                                                int64_t k, uint8_t* dst,
+                                                                                int8_t lift) {
+  const __m256i low = _mm256_set1_epi8(0x0F), add = _mm256_set1_epi8(lift);
+  PanelRun wide = run;
+  wide.ahead = 0;
+  for (int64_t i = 0; i < np; ++i) {
+    uint8_t* out = dst + i * kPanel * k;
+    for (int64_t j = 0; j < k / kInt4StepInputs; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run.base[i] + j * 4 * kPanel + 32 * h));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        join_plane_half(wide, int(i), h, k, j, lo, hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 8 * kPanel + 32 * h), _mm256_add_epi8(lo, add));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 8 * kPanel + 4 * kPanel + 32 * h),
+                            _mm256_add_epi8(hi, add));
+      }
+  }
+  for (int64_t i = 0; i < np; ++i) {
+    wide.base[i] = dst + i * kPanel * k;
+    wide.step[i] = 4 * kPanel;
+  }
+  return wide;
+}
+
 // vbroadcastss from memory: a load-port operation (set1 of a loaded int went through a general
 // register, movd and vpbroadcastd: three ALU operations per broadcast, the inner loop's bottleneck).
 __attribute__((target(CPK_AVX2_TARGET))) inline __m256i broadcast4_ymm(const int8_t* p) {
