@@ -115,8 +115,8 @@ def gemma_reference(hf_gemma_gguf, gemma_gguf_tokenizer):
 def test_gemma3_q4_k_m_served_from_its_file_is_transformers_on_the_dequantized_gguf(
     gemma_gguf, gemma_reference, tmp_path_factory
 ):
-    """Q4_K and Q6_K on int4/int8 groups with offsets, Q5_0 and Q8_0 on int8 groups, activations per
-    group: against transformers on the same file dequantized to float32."""
+    """Q4_K and Q6_K on int4 / int8 or int6 groups with offsets, Q5_0 and Q8_0 on int8 or int6 groups,
+    activations per group: against transformers on the same file dequantized to float32."""
     ref, tok = gemma_reference
     model_dir = resolve_model(str(gemma_gguf), str(tmp_path_factory.mktemp("cache")))
     ours = load_model(model_dir, dtype="float32")

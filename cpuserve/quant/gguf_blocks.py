@@ -4,7 +4,8 @@ Every llama.cpp block type used by the common files (Q4_0, Q4_1, Q5_0, Q5_1, Q8_
 Q6_K) stores, per group of 16 or 32 weights, small integers q, a scale and for some a minimum.
 Written as w = s * v + offset with v signed (v = q - 8 for 4 bits, q - 16 for 5, q - 32 for 6),
 each is one of the kernels' schemes: 4-bit values are W4A8 in groups of 32, 5-, 6- and 8-bit values
-W8A8 in groups (32, or 16 for Q6_K), and the formats with a minimum add a per-group offset (the
+W8A8 in groups (32, or 16 for Q6_K; the 5- and 6-bit ones held as int6 panels where the kernel has
+them: BlockScheme.int6), and the formats with a minimum add a per-group offset (the
 driver's `offsets` term). Scales and offsets are kept as the file codes them (quant/scale_codes.py:
 the fp16 scale and minimum of a simple type, a K-quant's 6-bit sub-block codes and its d and -dmin per
 super-block) and expanded through scale_codes' reference. Values and scales are exact (products of

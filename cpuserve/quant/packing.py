@@ -96,6 +96,24 @@ def unpack_int6(packed: torch.Tensor, k: int) -> torch.Tensor:
     return (values.permute(0, 2, 1, 3, 4).reshape(panels * PANEL, k) - 32).to(torch.int8)
 
 
+def _int6_rows(packed: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of `int6_panel` -> int8 [len(rows), K], gathered a 4-byte word a step: column c's nibbles
+    at word 16j + c of its panel, its plane bits at word 8j + c % 8 of the plane (lanes 4c..4c+3 in
+    one half: shift 2 * (c // 8))."""
+    steps, panel_words = k // 8, PANEL * (k // 2 + k // 4) // 4
+    p, c = rows // PANEL, rows % PANEL
+    j = torch.arange(steps)
+    base = (p * panel_words).view(-1, 1)
+    words = packed.reshape(-1).view(torch.int32)
+    nibbles = words[base + 16 * j + c.view(-1, 1)].view(torch.uint8).view(len(rows), steps, 4).to(torch.int16)
+    plane_at = base + PANEL * (k // 2) // 4 + 8 * j + (c % 8).view(-1, 1)
+    plane = words[plane_at].view(torch.uint8).view(len(rows), steps, 4).to(torch.int16)
+    shift = (2 * (c // 8)).view(-1, 1, 1)
+    lo = (nibbles & 0x0F) | (((plane >> shift) & 3) << 4)
+    hi = (nibbles >> 4) | (((plane >> (shift + 4)) & 3) << 4)
+    return (torch.stack((lo, hi), dim=2).reshape(len(rows), k) - 32).to(torch.int8)
+
+
 def panel_index(n: int, per_column: int, rows: torch.Tensor) -> torch.Tensor:
     """Where rows (output columns) of a panel layout [N, per_column bytes] are, as 4-byte words of the
     flat buffer: [len(rows), per_column // 4], each row's steps in order (a step of a column is one
@@ -110,9 +128,8 @@ def unpack_rows(packed: torch.Tensor, layout: str, bits: int, n: int, k: int, ro
     """Rows of a native layout (as unpack_nibbles / unpack_int8 name them) -> int8 [len(rows), K]."""
     if layout == "signed":
         return packed[rows]
-    if layout == "int6_panel":  # the panels that hold the rows, whole
-        panels = packed.view(-1, PANEL, packed.shape[1])[rows // PANEL].reshape(-1, packed.shape[1])
-        return unpack_int6(panels, k).view(len(rows), PANEL, k)[torch.arange(len(rows)), rows % PANEL]
+    if layout == "int6_panel":
+        return _int6_rows(packed, k, rows)
     if bits == 4 and layout != "offset_panel":
         return unpack_nibbles(packed[rows], k, layout)
     words = packed.reshape(-1).view(torch.int32)[panel_index(n, packed.shape[1], rows)]

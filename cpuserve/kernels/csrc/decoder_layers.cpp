@@ -18,7 +18,7 @@
 namespace {
 
 // A linear as its quant method holds it after loading (quant/methods.py): kind 0 float (torch's linear, no
-// variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout) of the variant it was packed for,
+// variant), 1 W8A8 (pack_int8's layout), 2 W4A8 (pack_int4's layout, or pack_int6's) of the variant it was packed for,
 // 3 float panels (pack_float's layout, n output columns).
 // offsets: the per-group additive terms of a GGUF format with a minimum (w = s * q + offset), or none;
 // scales and offsets fp32 or codes with their super-block factors and mid (linear_driver.h, GroupScales).

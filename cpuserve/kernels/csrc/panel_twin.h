@@ -19,7 +19,7 @@ namespace cpk {
 // The integer fold (LinearArgs::sa_per: a K-quant's integer codes, read where they are stored,
 // activations scaled per super-block): output column c of panel p for token r. dot(g): group g's
 // exact sum of the stored weight bytes times the activations; layout_offset: what those bytes add
-// to each weight (128, 8 or 0), replaced by the fold's mid. Per super-block b, in int32 (in range:
+// to each weight (128, 8, 32 for int6, or 0), replaced by the fold's mid. Per super-block b, in int32 (in range:
 // GroupScales::fold_per), I = sum_g code_g * acc_g and M = sum_g ocode_g * gsum_g; then
 // t = float(I) * S_b, t = fma(float(M), O_b, t), y = fma(t, sa_b, y): the SIMD lanes' operations.
 template <typename Dot>

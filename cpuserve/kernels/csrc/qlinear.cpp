@@ -128,7 +128,8 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return finish(out, bias, x.scalar_type());
 }
 
-// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout), scales [N, G] as pack_scales
+// x [M, K], packed uint8 [N, K / 2] (the variant's int4 layout) or [N, 3K / 4] (int6 panels: pack_int6),
+// scales [N, G] as pack_scales
 // gives them for the variant (fp32, or codes with scale_super: group_values): out [M, N].
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias, const Variant& v, c10::optional<torch::Tensor> offsets,

@@ -2,7 +2,7 @@
 // vpmaddubsw multiplies |w| (unsigned, <= 128) by a with w's sign (vpsignb), so a pair sums to at
 // most 2 * 128 * 127 < 2^15: no saturation; vpmaddwd by ones widens to int32. W4A8 reads the VNNI
 // panels' bytes as they are (offset nibbles <= 15: pairs <= 3810, the two nibble halves' sum
-// <= 7620). Exact integers and the panel twin's epilogues: bit-identical to it. Also the AVX2
+// <= 7620; int6 values <= 63: pairs <= 16002, the sum <= 32004). Exact integers and the panel twin's epilogues: bit-identical to it. Also the AVX2
 // activation quantizer (decode attention: attention_avx2.cpp).
 #if defined(__x86_64__)
 #include <vector>

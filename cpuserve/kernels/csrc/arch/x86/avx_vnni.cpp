@@ -1,6 +1,6 @@
 // avx_vnni: AVX-VNNI (VEX-encoded vpdpbusd on ymm) for CPUs that have it without AVX-512 (Alder
 // Lake and later client cores, Zen 5 client parts). The AVX-512 VNNI panel bytes (uint8 w + 128 for
-// W8A8, offset nibbles for W4A8) in AVX2's structure of two 8-column halves, with one vpdpbusd where
+// W8A8, offset nibbles for W4A8, int6 panels too) in AVX2's structure of two 8-column halves, with one vpdpbusd where
 // AVX2 needs vpmaddubsw + vpmaddwd (and the sign trick): the accumulators start at the offset
 // correction, as avx512_vnni's do. Exact integers and the panel twin's epilogues: bit-identical to it.
 // Its quantizer and attention are AVX2's (the table row points at them).
