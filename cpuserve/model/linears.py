@@ -55,13 +55,15 @@ class LinearFactory:
         methods = [self.method(f"{prefix}{part}", in_features) for part in parts]
         # int6 says how the values may be held, not what they are: Q5_0 (int6) and Q8_0 parts are one
         # int8 scheme and fuse, held as int8 unless every part's values fit int6
-        quants = [getattr(m, "quant", None) for m in methods]
-        plain = [dataclasses.replace(q, int6=False) if q is not None else None for q in quants]
-        if not self.fuse or any(type(m) is not type(methods[0]) or m.dtype != methods[0].dtype for m in methods):
+        plain = [_without_int6(m) for m in methods]
+        if not self.fuse or any(m != plain[0] for m in plain):
             return None
-        if any(q != plain[0] for q in plain):
-            return None
-        method = methods[0]
-        if quants[0] is not None and quants[0].int6 and not all(q.int6 for q in quants):
-            method = method_for(plain[0], self.dtype)
+        method = methods[0] if all(m == methods[0] for m in methods) else plain[0]
         return Linear(in_features, sizes, bias, method)
+
+
+def _without_int6(method: DenseMethod | IntWeightMethod) -> DenseMethod | IntWeightMethod:
+    """The method with its scheme's int6 flag cleared (a dense method as it is)."""
+    if method.quant is None or not method.quant.int6:
+        return method
+    return dataclasses.replace(method, quant=dataclasses.replace(method.quant, int6=False))

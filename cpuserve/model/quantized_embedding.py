@@ -70,12 +70,12 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("values", q.contiguous())
         self.register_buffer("tops", tops)
         self.coding = coding if codes is not None else None
-        as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
         if codes is not None:
             self.register_buffer("scales", None)
             self.register_buffer("offsets", None)
             for part in ("scale_code", "scale_super", "offset_code", "offset_super"):
-                self.register_buffer(part, as_tensor(getattr(codes, part)))
+                array = getattr(codes, part)
+                self.register_buffer(part, None if array is None else torch.from_numpy(np.ascontiguousarray(array)))
         else:
             self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)))
             offsets_t = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32))
@@ -86,12 +86,14 @@ class QuantizedEmbedding(nn.Module):
         if self.coding is None:
             offsets = None if self.offsets is None else self.offsets.index_select(0, flat)
             return self.scales.index_select(0, flat), offsets
-        pick = lambda t: None if t is None else t.index_select(0, flat)  # noqa: E731
-        c = self.coding
-        scales = expand_scales(pick(self.scale_code), pick(self.scale_super), c.per)
-        if self.offset_code is None:
+        code, super_, offset_code, offset_super = (
+            None if t is None else t.index_select(0, flat)
+            for t in (self.scale_code, self.scale_super, self.offset_code, self.offset_super)
+        )
+        scales = expand_scales(code, super_, self.coding.per)
+        if offset_code is None:
             return scales, None
-        return scales, expand_offsets(scales, pick(self.offset_code), pick(self.offset_super), c.per, c.mid)
+        return scales, expand_offsets(scales, offset_code, offset_super, self.coding.per, self.coding.mid)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

@@ -377,7 +377,7 @@ class IntWeightMethod:
             name = f"{prefix}.{part}"
             raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' {what}")
 
-        bits = 6 if self.quant.int6 else self.quant.bits
+        bits = self.quant.bits  # (int6 values come from the file's 5- or 6-bit fields; pack_int6 checks them)
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
         if q is not None and bits < 8 and (q.min() < lo or q.max() > hi):
             refuse("weight", f"holds values outside [{lo}, {hi}] for {self.quant.name}")

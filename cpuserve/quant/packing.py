@@ -83,17 +83,7 @@ def unpack_int6(packed: torch.Tensor, k: int) -> torch.Tensor:
     """`int6_panel` (pack_int6: uint8 [N, 3K/4], N a multiple of 16) back to int8 [N, K]: per panel
     the int4 steps of the low nibbles, then per 8 inputs 32 bytes holding each lane's two high bits
     (byte e: low-nibble lanes e and e + 32 in bits 0-1 and 2-3, high-nibble lanes in 4-5 and 6-7)."""
-    panels, steps = packed.shape[0] // PANEL, k // 8
-    flat = packed.reshape(panels, PANEL * (k // 2 + k // 4))
-    nibbles = flat[:, : PANEL * (k // 2)].reshape(panels, steps, 4 * PANEL).to(torch.int16)
-    plane = flat[:, PANEL * (k // 2) :].reshape(panels, steps, INT6_PLANE_STEP).to(torch.int16)
-    plane = torch.cat((plane, plane), dim=-1)  # lane b reads byte b % 32
-    shift = torch.arange(4 * PANEL) // INT6_PLANE_STEP * 2
-    lo = (nibbles & 0x0F) | (((plane >> shift) & 3) << 4)
-    hi = (nibbles >> 4) | (((plane >> (shift + 4)) & 3) << 4)
-    # lane 4c + i: column c, input 8j + i (lo) and 8j + 4 + i (hi)
-    values = torch.stack((lo.view(panels, steps, PANEL, 4), hi.view(panels, steps, PANEL, 4)), dim=3)
-    return (values.permute(0, 2, 1, 3, 4).reshape(panels * PANEL, k) - 32).to(torch.int8)
+    return _int6_rows(packed, k, torch.arange(packed.shape[0]))
 
 
 def _int6_rows(packed: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:

@@ -126,11 +126,13 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
       }
       #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) {
+        __m256i bits = _mm256_setzero_si256();
+        if constexpr (HB != 0) bits = plane_step(run, i, k, j);
         #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i v = ws.half(i, h);
           __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (HB != 0) join_plane_half(run, i, h, k, j, lo, hi);  // values <= 63: pairs <= 32004
+          if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);  // values <= 63: pairs <= 32004
           #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]), _mm256_maddubs_epi16(hi, ahi[r]));
@@ -165,30 +167,14 @@ struct U4Panels {
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
     with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      constexpr int A = decltype(acts)::value;
-      using G = std::decay_t<decltype(src)>;
-      if (a.high_bits != 0)
-        u4_panel_block<R, P, A, G, 2>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                      a.out + r * a.n + run.c0, a.n);
-      else
-        u4_panel_block<R, P, A, G>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                   a.out + r * a.n + run.c0, a.n);
+      with_high_bits(a, [&](auto hb) {
+        u4_panel_block<R, P, decltype(acts)::value, std::decay_t<decltype(src)>, decltype(hb)::value>(
+            run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
+      });
     });
   }
 };
 
-// Int6 panels widened for prefill (widen_int6_run_halves): the W8A8 grouped blocks over them.
-struct WidenedInt6 {
-  PanelRun run;
-  const LinearArgs& a;
-  template <int R, int P>
-  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
-    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      s8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                                  a.out + r * a.n + run.c0, a.n);
-    });
-  }
-};
 
 }  // namespace
 
@@ -208,7 +194,7 @@ __attribute__((target(CPK_AVX2_TARGET))) void w4a8_avx2(const LinearArgs& a, int
     thread_local std::vector<uint8_t> wide;
     wide.resize(kPanel * a.k);
     for_each_run<2, 1>(a.m, p0, p1, [&](int64_t p, int64_t np) {
-      return WidenedInt6{widen_int6_run_halves(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data(), -32), a};
+      return S8Panels{widen_int6_run_halves(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data(), -32), a};
     });
     return;
   }

@@ -377,20 +377,16 @@ struct U4Panels {
   template <int R, int P>
   __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
     with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      constexpr int A = decltype(acts)::value;
-      using G = std::decay_t<decltype(src)>;
-      if (a.high_bits != 0)
-        u4_panel_block<R, P, A, G, 2>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                      a.out + r * a.n + run.c0, a.n);
-      else
-        u4_panel_block<R, P, A, G>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                   a.out + r * a.n + run.c0, a.n);
+      with_high_bits(a, [&](auto hb) {
+        u4_panel_block<R, P, decltype(acts)::value, std::decay_t<decltype(src)>, decltype(hb)::value>(
+            run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
+      });
     });
   }
 };
 
 // Int6 panels in prefill: a run's panels widened once to int8 offset panels (w + 128 = the stored
-// w + 32, plus 96) in a thread buffer, then the W8A8 grouped blocks over them. Joining the planes in
+// w + 32, plus 96) in a thread buffer, then the W8A8 blocks over them (U8Panels). Joining the planes in
 // every block cost as many vector operations as its dot products (2B Q5_K_M prefill -25%);
 // widened, they are paid once per run and pass of rows. The same integers, folded by the same code:
 // the same bits.
@@ -399,15 +395,13 @@ __attribute__((target(CPK_VNNI_TARGET))) PanelRun widen_int6_run(const PanelRun&
   const __m512i low = _mm512_set1_epi8(0x0F), lift = _mm512_set1_epi8(96);
   PanelRun wide = run;
   wide.ahead = 0;
+  Planes<4> planes(wide, k);  // no prefetching: the run is read once, now
   for (int64_t i = 0; i < np; ++i) {
-    Planes<1> planes(run, k);
-    planes.at[0] = run.base[i] + kPanel * (k / 2);
-    planes.ahead = 0;
     uint8_t* out = dst + i * kPanel * k;
     for (int64_t j = 0; j < k / kInt4StepInputs; ++j) {
       const __m512i v = _mm512_loadu_si512(run.base[i] + j * 4 * kPanel);
       __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      planes.join(0, lo, hi);
+      planes.join(int(i), lo, hi);
       _mm512_storeu_si512(out + j * 8 * kPanel, _mm512_add_epi8(lo, lift));  // quad 2j
       _mm512_storeu_si512(out + j * 8 * kPanel + 4 * kPanel, _mm512_add_epi8(hi, lift));  // quad 2j + 1
     }
@@ -417,17 +411,6 @@ __attribute__((target(CPK_VNNI_TARGET))) PanelRun widen_int6_run(const PanelRun&
   return wide;
 }
 
-struct WidenedInt6 {
-  PanelRun run;  // over the widened buffer
-  const LinearArgs& a;
-  template <int R, int P>
-  __attribute__((target(CPK_VNNI_TARGET))) void go(int64_t r) const {
-    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      u8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src,
-                                                  sa, a.out + r * a.n + run.c0, a.n);
-    });
-  }
-};
 
 }  // namespace
 
@@ -445,7 +428,7 @@ __attribute__((target(CPK_VNNI_TARGET))) void w4a8_avx512_vnni(const LinearArgs&
     thread_local std::vector<uint8_t> wide;
     wide.resize(4 * kPanel * a.k);
     for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) {
-      return WidenedInt6{widen_int6_run(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data()), a};
+      return U8Panels{widen_int6_run(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data()), a};
     });
     return;
   }

@@ -97,19 +97,22 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8 << HB) * gs[r * groups + g]);
     for (int64_t j = g * steps; j < (g + 1) * steps; ++j)
       #pragma GCC unroll 4
-      for (int i = 0; i < P; ++i)
+      for (int i = 0; i < P; ++i) {
+        __m256i bits = _mm256_setzero_si256();
+        if constexpr (HB != 0) bits = plane_step(run, i, k, j);
         #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load_half(run, i, h, j);
           if (h == 0) prefetch_ahead(run, i, j);
           __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (HB != 0) join_plane_half(run, i, h, k, j, lo, hi);
+          if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);
           #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], lo, broadcast4_ymm(qa + r * k + 8 * j));
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], hi, broadcast4_ymm(qa + r * k + 8 * j + 4));
           }
         }
+      }
     end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, sums);
   }
   end_block_halves<R, P, A>(run, src, sums, sa, out, n);
@@ -136,30 +139,14 @@ struct U4Panels {
   template <int R, int P>
   __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
     with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      constexpr int A = decltype(acts)::value;
-      using G = std::decay_t<decltype(src)>;
-      if (a.high_bits != 0)
-        u4_panel_block<R, P, A, G, 2>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                      a.out + r * a.n + run.c0, a.n);
-      else
-        u4_panel_block<R, P, A, G>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                   a.out + r * a.n + run.c0, a.n);
+      with_high_bits(a, [&](auto hb) {
+        u4_panel_block<R, P, decltype(acts)::value, std::decay_t<decltype(src)>, decltype(hb)::value>(
+            run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
+      });
     });
   }
 };
 
-// Int6 panels widened for prefill (widen_int6_run_halves): the W8A8 grouped blocks over them.
-struct WidenedInt6 {
-  PanelRun run;
-  const LinearArgs& a;
-  template <int R, int P>
-  __attribute__((target(CPK_AVX_VNNI_TARGET))) void go(int64_t r) const {
-    with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
-      u8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa,
-                                                  a.out + r * a.n + run.c0, a.n);
-    });
-  }
-};
 
 // Decode streams 2 panels at once; prefill blocks of 2 tokens x 2 panels (8 accumulators: the 16
 // ymm registers also hold 4 weight halves and the broadcasts).
@@ -185,7 +172,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) void w4a8_avx_vnni(const LinearArgs
     thread_local std::vector<uint8_t> wide;
     wide.resize(2 * kPanel * a.k);
     blocks(a, p0, p1, [&](int64_t p, int64_t np) {
-      return WidenedInt6{widen_int6_run_halves(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data(), 96), a};
+      return U8Panels{widen_int6_run_halves(panel_run(pw, per_column, a.n, p, np), np, a.k, wide.data(), 96), a};
     });
     return;
   }

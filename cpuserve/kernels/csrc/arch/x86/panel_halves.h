@@ -53,15 +53,19 @@ struct HalfStreams {
   }
 };
 
-// An int6 weight's 2-bit plane (panel_layout.h) joined into half h's nibble vectors: step j of
-// panel i's plane is 32 bytes after the panel's nibbles; half 0's lo takes bits 0-1 of its byte, half
+// An int6 weight's 2-bit plane (panel_layout.h): step j of panel i's plane, 32 bytes after the
+// panel's nibbles (prefetched a run ahead when the run says so), loaded once for both halves.
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline __m256i plane_step(const PanelRun& run, int i,
+                                                                                 int64_t k, int64_t j) {
+  const uint8_t* at = run.base[i] + kPanel * (k / 2) + j * kInt6PlaneStep;
+  if (run.ahead != 0) prefetch_l2(at, run.ahead);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+}
+
+// The plane step joined into half h's nibble vectors: half 0's lo takes bits 0-1 of its byte, half
 // 1's bits 2-3, hi bits 4-5 and 6-7, each moved to bits 4-5 and masked.
-__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void join_plane_half(const PanelRun& run, int i,
-                                                                                    int h, int64_t k, int64_t j,
-                                                                                    __m256i& lo, __m256i& hi) {
-  const __m256i bits = _mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(run.base[i] + kPanel * (k / 2) + j * kInt6PlaneStep));
-  if (h == 0 && run.ahead != 0) prefetch_l2(run.base[i] + kPanel * (k / 2) + j * kInt6PlaneStep, run.ahead);
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void join_plane_half(__m256i bits, int h, __m256i& lo,
+                                                                                    __m256i& hi) {
   const __m256i two = _mm256_set1_epi8(0x30);
   const __m256i l = h == 0 ? _mm256_slli_epi16(bits, 4) : _mm256_slli_epi16(bits, 2);
   const __m256i u = h == 0 ? bits : _mm256_srli_epi16(bits, 2);
@@ -71,7 +75,7 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void join_plane_h
 
 // Int6 panels in prefill (as avx512_vnni's widen_int6_run): the run's np panels widened once into
 // dst as int8 panels, each byte the stored w + 32 plus `lift` (-32: SignedPanels' w; 96: OffsetPanels'
-// w + 128), for the W8A8 grouped blocks; returns the run over dst.
+// w + 128), for the W8A8 blocks (S8Panels, U8Panels); returns the run over dst.
 __attribute__((target(CPK_AVX2_TARGET))) inline PanelRun widen_int6_run_halves(const PanelRun& run, int64_t np,
                                                                                 int64_t k, uint8_t* dst,
                                                                                 int8_t lift) {
@@ -80,15 +84,17 @@ __attribute__((target(CPK_AVX2_TARGET))) inline PanelRun widen_int6_run_halves(c
   wide.ahead = 0;
   for (int64_t i = 0; i < np; ++i) {
     uint8_t* out = dst + i * kPanel * k;
-    for (int64_t j = 0; j < k / kInt4StepInputs; ++j)
+    for (int64_t j = 0; j < k / kInt4StepInputs; ++j) {
+      const __m256i bits = plane_step(wide, int(i), k, j);
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run.base[i] + j * 4 * kPanel + 32 * h));
         __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        join_plane_half(wide, int(i), h, k, j, lo, hi);
+        join_plane_half(bits, h, lo, hi);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 8 * kPanel + 32 * h), _mm256_add_epi8(lo, add));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 8 * kPanel + 4 * kPanel + 32 * h),
                             _mm256_add_epi8(hi, add));
       }
+    }
   }
   for (int64_t i = 0; i < np; ++i) {
     wide.base[i] = dst + i * kPanel * k;

@@ -179,4 +179,12 @@ __attribute__((always_inline)) inline void with_acts(const LinearArgs& a, const 
   });
 }
 
+// The W4A8 blocks' weight kind as a template argument: block(std::integral_constant<int, HB>), HB 2
+// for int6 panels (LinearArgs::high_bits), 0 for int4.
+template <typename Block>
+__attribute__((always_inline)) inline void with_high_bits(const LinearArgs& a, const Block& block) {
+  if (a.high_bits != 0) return block(std::integral_constant<int, 2>{});
+  block(std::integral_constant<int, 0>{});
+}
+
 }  // namespace cpk
