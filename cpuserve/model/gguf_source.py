@@ -207,8 +207,10 @@ class GGUFCheckpoint:
         if part == "float":
             return {"F16": "F16", "BF16": "BF16"}.get(self.table[base].kind, "F32")
         coding = linear_scheme(self.table[base].kind).coding
-        if coding is None or part.endswith("super"):
+        if coding is None:
             return "F32"
+        if part.endswith("super"):
+            return "F16"  # the K-quants' d and -dmin, as the file holds them
         code = coding.offset_code if part.startswith("weight_offset") else coding.code
         return {"uint8": "U8", "int8": "I8", "float16": "F16"}[code]
 

@@ -64,9 +64,9 @@ class GroupCodes:
     """A decoded tensor's scales and offsets as the file codes them (quant/scale_codes.py)."""
 
     scale_code: np.ndarray  # [N, G] of the coding's dtype
-    scale_super: np.ndarray | None  # float32 [N, G / per]
+    scale_super: np.ndarray | None  # float16 [N, G / per] (the file's d: exact)
     offset_code: np.ndarray | None  # [N, G]
-    offset_super: np.ndarray | None  # float32 [N, G / per]
+    offset_super: np.ndarray | None  # float16 [N, G / per] (the file's -dmin: exact)
 
     def part(self, name: str) -> np.ndarray | None:
         """The array of a checkpoint part (ScaleCoding.parts)."""
@@ -100,11 +100,6 @@ class DecodedWeight:
 def _f16_codes(b: np.ndarray) -> np.ndarray:
     """Little-endian fp16 from two uint8 columns, [blocks, 1]."""
     return np.ascontiguousarray(b).view("<f2").astype(np.float16)
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """The same as float32."""
-    return _f16_codes(b).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -156,7 +151,7 @@ def _decode_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, _Codes]:
         m = None if kind == "Q5_0" else _f16_codes(raw[:, 2:4])
         return q.astype(np.int8) - 16, (_f16_codes(raw[:, 0:2]), None, m, None)
     if kind in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+        d, dmin = _f16_codes(raw[:, 0:2]), _f16_codes(raw[:, 2:4])
         sc, mn = _k_scales(raw[:, 4:16])
         if kind == "Q4_K":
             q, mid = _k_quants_low(raw[:, 16:144]), 8
@@ -170,7 +165,7 @@ def _decode_blocks(kind: str, raw: np.ndarray) -> tuple[np.ndarray, _Codes]:
     if kind == "Q6_K":
         ql, qh = raw[:, 0:128], raw[:, 128:192]
         sc = raw[:, 192:208].view(np.int8)
-        d = _f16(raw[:, 208:210])
+        d = _f16_codes(raw[:, 208:210])
         q = np.empty((raw.shape[0], QK_K), np.uint8)
         for half in range(2):
             lo, hi = ql[:, 64 * half : 64 * half + 64], qh[:, 32 * half : 32 * half + 32]
@@ -200,9 +195,9 @@ def decode(kind: str, raw: np.ndarray, rows: int, cols: int, what: str) -> Decod
     per_block = scheme.block_weights // scheme.group
     values = np.empty((rows, cols), np.int8)
     codes = [np.empty((rows, groups), np.dtype(coding.code))]
-    codes.append(np.empty((rows, groups // coding.per), np.float32) if coding.per else None)
+    codes.append(np.empty((rows, groups // coding.per), np.float16) if coding.per else None)
     codes.append(np.empty((rows, groups), np.dtype(coding.offset_code)) if coding.offset_code else None)
-    codes.append(np.empty((rows, groups // coding.per), np.float32) if coding.per and coding.offset_code else None)
+    codes.append(np.empty((rows, groups // coding.per), np.float16) if coding.per and coding.offset_code else None)
     # A slice of blocks at a time into the result: the decode's temporaries stay a few MB (whole, a
     # 2B's Q6_K head made 800 MB of them, the load's peak).
     step = max(1, DECODE_CHUNK_WEIGHTS // scheme.block_weights)

@@ -228,7 +228,7 @@ class IntWeightMethod:
     def _part_dtype(self, name: str) -> torch.dtype:
         """The dtype of a coded checkpoint part."""
         if name.endswith("super"):
-            return torch.float32
+            return torch.float16  # GGUF's d and -dmin, as the file holds them
         return self.coding.offset_dtype if name.startswith("weight_offset") else self.coding.code_dtype
 
     def checkpoint_tensors(self, prefix: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -306,9 +306,9 @@ class IntWeightMethod:
         supers = groups // coding.per if coding is not None and coding.per else 0
         code, off_code = (coding.code_dtype, coding.offset_dtype) if coding is not None else (torch.float32,) * 2
         scales = torch.empty(n, groups, dtype=code)
-        scale_super = torch.empty(n, supers, dtype=torch.float32) if supers else None
+        scale_super = torch.empty(n, supers, dtype=torch.float16) if supers else None
         offsets = torch.empty(n * groups, dtype=off_code) if self.quant.offsets else None
-        offset_super = torch.empty(n * supers, dtype=torch.float32) if supers and offsets is not None else None
+        offset_super = torch.empty(n * supers, dtype=torch.float16) if supers and offsets is not None else None
         what = f"for {self.quant.name} ({n} x {k})"
         for name, shape in self.checkpoint_tensors(prefix, n, k).items():  # before any data is read
             _checked_shape(ckpt, name, shape, what)

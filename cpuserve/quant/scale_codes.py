@@ -1,17 +1,19 @@
 """Group scales and offsets kept as GGUF's blocks store them: a small code per group (a K-quant's
-6-bit sub-block scale and minimum, Q6_K's int8 scale, or a simple type's fp16 scale) times one fp32
-factor per super-block of `per` groups (the K-quants' d and -dmin; none for the simple types).
+6-bit sub-block scale and minimum, Q6_K's int8 scale, or a simple type's fp16 scale) times one fp16
+factor per super-block of `per` groups (the K-quants' d and -dmin, as the file holds them; none for
+the simple types).
 
     scale[n, g]  = scale_super[n, g // per] * scale_code[n, g]     (no super: the code itself)
     offset[n, g] = mid * scale[n, g] + offset_super[n, g // per] * offset_code[n, g]
 
 Why: fp32 per group cost a Q4_K weight 2 of its 6 bits and a Q6_K weight 2 of its 10, and decode
-reads every byte of them each step. A code takes a byte (a factor 4 bytes per 8 or 16 groups; an
-fp16 code 2 bytes): Q4_K 4.75 bits a weight instead of 6, Q6_K 8.6 instead of 10. Both products are exact in
-float32 (an fp16 times an 8-bit integer) and the sum is rounded once, as the file's own arithmetic,
-so the kernels' results do not change: the driver expands the codes of a few panels at a time right
-before the kernels read them (linear_driver.h, GroupScales). These functions are its reference
-(quant/gguf_blocks.py decodes through them, tests/test_gguf_quant.py checks both against gguf-py)."""
+reads every byte of them each step. A code takes a byte (a factor 2 bytes per 8 or 16 groups; an
+fp16 code 2 bytes): Q4_K 4.625 bits a weight instead of 6, Q6_K (as int6 panels) 6.56, the file's.
+Both products are exact in float32 (an fp16 times an 8-bit integer) and the sum is rounded once, as
+the file's own arithmetic, so the kernels' results do not change: the driver expands the codes of a
+few panels at a time right before the kernels read them (linear_driver.h, GroupScales). These
+functions are its reference (quant/gguf_blocks.py decodes through them, tests/test_gguf_quant.py
+checks both against gguf-py)."""
 
 from __future__ import annotations
 

@@ -203,6 +203,22 @@ void check_shape(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, in
 }
 
 // The bits of values [N, groups] in panel order (panel variants) or as they are.
+// Super-block factors as a K-quant file holds them (fp16: GGUF's d, and -dmin for the offsets):
+// random normal halves of 2^lo .. 2^hi times (1 + m / 1024), and their exact fp32 values.
+struct Supers {
+  std::vector<cpk::F16> half;
+  std::vector<float> value;
+};
+Supers random_supers(Rng& rng, int64_t count, int lo, int hi, bool negative) {
+  Supers s{std::vector<cpk::F16>(count), std::vector<float>(count)};
+  for (int64_t i = 0; i < count; ++i) {
+    const int exponent = int(rng.range(lo, hi)) + 15, mantissa = int(rng.range(0, 1023));
+    s.half[i].bits = uint16_t((negative ? 0x8000 : 0) | (exponent << 10) | mantissa);
+    s.value[i] = cpk::to_float(s.half[i]);
+  }
+  return s;
+}
+
 template <typename T>
 std::vector<T> in_scale_order(const Variant& v, const std::vector<T>& values, int64_t n, int64_t groups) {
   if (!cpk::is_panels(v.int4)) return values;
@@ -281,9 +297,9 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     for (auto& e : w) e = bits == 8 ? int8_t(rng.range(-128, 127)) : int8_t(rng.range(-8, 7));
     const int64_t per = groups % 8 == 0 ? 8 : groups % 2 == 0 ? 2 : 1, supers = groups / per;
     std::vector<uint8_t> sc(n * groups), mc(n * groups);
-    std::vector<float> ssup(n * supers), osup(n * supers), s(n * groups), off(n * groups);
-    for (auto& e : ssup) e = std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, rng.range(-13, -11));
-    for (auto& e : osup) e = -std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, -16);
+    const Supers ssup_h = random_supers(rng, n * supers, -13, -11, false), osup_h = random_supers(rng, n * supers, -14, -14, true);
+    const std::vector<float>&ssup = ssup_h.value, &osup = osup_h.value;
+    std::vector<float> s(n * groups), off(n * groups);
     for (int64_t i = 0; i < n * groups; ++i) {
       sc[i] = uint8_t(rng.range(1, 63));
       mc[i] = uint8_t(rng.range(0, 63));
@@ -294,7 +310,7 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     const std::vector<float> off_t = in_chunks(off, n, groups);
     const std::vector<float> sp = pack_scales(v, s, n, groups);
     const std::vector<uint8_t> sc_p = in_scale_order(v, sc, n, groups), mc_t = in_chunks(mc, n, groups);
-    const std::vector<float> ssup_p = in_scale_order(v, ssup, n, supers), osup_t = in_chunks(osup, n, supers);
+    const std::vector<cpk::F16> ssup_p = in_scale_order(v, ssup_h.half, n, supers), osup_t = in_chunks(osup_h.half, n, supers);
     cpk::GroupScales coded;
     coded.scales = {sc_p.data(), cpk::Code::U8, per > 1 || rng.range(0, 1) ? ssup_p.data() : nullptr, per};
     if (coded.scales.super == nullptr) coded.scales = {sp.data(), cpk::Code::F32, nullptr, 0};  // offsets alone
@@ -365,9 +381,9 @@ void check_int6(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int
   const bool q6k = g == 16, offsets = !q6k;
   const int64_t per = groups % (q6k ? 16 : 8) == 0 ? (q6k ? 16 : 8) : 1, supers = groups / per;
   std::vector<uint8_t> sc(n * groups), mc(n * groups);
-  std::vector<float> ssup(n * supers), osup(n * supers), s(n * groups), off(n * groups, 0.f);
-  for (auto& e : ssup) e = std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, rng.range(-13, -11));
-  for (auto& e : osup) e = -std::ldexp(1.f + float(rng.range(0, 1023)) / 1024.f, -16);
+  const Supers ssup_h = random_supers(rng, n * supers, -13, -11, false), osup_h = random_supers(rng, n * supers, -14, -14, true);
+  const std::vector<float>&ssup = ssup_h.value, &osup = osup_h.value;
+  std::vector<float> s(n * groups), off(n * groups, 0.f);
   for (int64_t i = 0; i < n * groups; ++i) {
     const int64_t b = (i / groups) * supers + (i % groups) / per;
     sc[i] = q6k ? uint8_t(int8_t(rng.range(-128, 127))) : uint8_t(rng.range(1, 63));
@@ -377,7 +393,7 @@ void check_int6(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int
   }
   const std::vector<float> sp = pack_scales(v, s, n, groups), off_t = in_chunks(off, n, groups);
   const std::vector<uint8_t> sc_p = in_scale_order(v, sc, n, groups), mc_t = in_chunks(mc, n, groups);
-  const std::vector<float> ssup_p = in_scale_order(v, ssup, n, supers), osup_t = in_chunks(osup, n, supers);
+  const std::vector<cpk::F16> ssup_p = in_scale_order(v, ssup_h.half, n, supers), osup_t = in_chunks(osup_h.half, n, supers);
   cpk::GroupScales coded, plain;
   coded.scales = {sc_p.data(), q6k ? cpk::Code::I8 : cpk::Code::U8, ssup_p.data(), per};
   if (offsets) coded.offsets = {mc_t.data(), cpk::Code::U8, osup_t.data(), per}, coded.mid = 16.f;

@@ -29,18 +29,20 @@ inline int64_t offsets_index(int64_t n, int64_t groups, int64_t g, int64_t c) {
 }
 
 // A linear's group scales or offsets as stored. F32: as the kernels read them. Coded (GGUF's blocks as
-// the file holds them): an 8- or 16-bit code per group times a fp32 factor per super-block of `per`
-// groups (super null: 1), in the same order as the fp32 values (supers: the same order over G / per
-// groups). The driver expands them for a few panels at a time just before the kernels read them:
-// bit-identical to fp32 storage (each product of an fp16 and an 8-bit integer is exact in fp32): a
-// byte a code and 4 bytes a factor per 8 or 16 groups instead of 4 bytes a group (Q4_K from 6 to
-// 4.75 bits a weight, Q6_K from 10 to 8.6; an fp16 code, the simple types', 2 bytes).
+// the file holds them): an 8- or 16-bit code per group times an fp16 factor per super-block of `per`
+// groups (super null: 1; the file's d, or -dmin, so fp16 loses nothing), in the same order as the
+// fp32 values (supers: the same order over G / per groups). The driver expands them for a few panels
+// at a time just before the kernels read them: bit-identical to fp32 storage (each product of an
+// fp16 and an 8-bit integer is exact in fp32): a byte a code and 2 bytes a factor per 8 or 16 groups
+// instead of 4 bytes a group (Q4_K from 6 to 4.625 bits a weight, Q6_K as int6 panels 6.56, the
+// file's; an fp16 code, the simple types', 2 bytes).
 enum class Code { F32, U8, I8, F16 };
 struct GroupValues {
   const void* values = nullptr;  // null: none (offsets only)
   Code code = Code::F32;
-  const float* super = nullptr;
+  const F16* super = nullptr;  // fp16, as the file holds them (GGUF's d and -dmin: exact)
   int64_t per = 0;
+  float super_at(int64_t i) const { return to_float(super[i]); }
   bool coded() const { return code != Code::F32 || super != nullptr; }
 };
 // scales in the layout's order; offsets in column chunks (offsets_index). A coded offset is

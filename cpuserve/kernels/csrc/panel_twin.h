@@ -38,8 +38,8 @@ inline float fold_output(const LinearArgs& a, int64_t p, int64_t width, int64_t 
       total += scale_codes::int_code(gs.scales, at.values + g * width + c) * (dot(g) + lift * sums[g]);
       if (offsets) mins += scale_codes::int_code(gs.offsets, at.values + g * width + c) * sums[g];
     }
-    float t = float(total) * gs.scales.super[at.scale_supers + b * width + c];
-    if (offsets) t = std::fma(float(mins), gs.offsets.super[at.offset_supers + b * width + c], t);
+    float t = float(total) * gs.scales.super_at(at.scale_supers + b * width + c);
+    if (offsets) t = std::fma(float(mins), gs.offsets.super_at(at.offset_supers + b * width + c), t);
     y = std::fma(t, a.sa[r * blocks + b], y);
   }
   return y;

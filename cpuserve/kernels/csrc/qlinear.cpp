@@ -64,7 +64,7 @@ cpk::LinearInput input_of(const torch::Tensor& xc) {
 }
 
 // One of a linear's per-group tensors (scales [N, G] in the variant's order, or offsets groups x N
-// in the driver's column chunks), checked: fp32, or codes (uint8, int8, fp16) times an fp32 factor
+// in the driver's column chunks), checked: fp32, or codes (uint8, int8, fp16) times an fp16 factor
 // per super-block (super: N x G / per in the same order) or none (linear_driver.h, GroupValues).
 cpk::GroupValues group_values(const torch::Tensor& t, const c10::optional<torch::Tensor>& super, int64_t n,
                               int64_t groups, const char* what) {
@@ -80,10 +80,11 @@ cpk::GroupValues group_values(const torch::Tensor& t, const c10::optional<torch:
   if (super.has_value()) {
     const torch::Tensor& sp = *super;
     const int64_t supers = sp.numel() / std::max<int64_t>(n, 1);
-    TORCH_CHECK(gv.code != cpk::Code::F32 && sp.scalar_type() == torch::kFloat32 && sp.is_contiguous() &&
+    TORCH_CHECK(gv.code != cpk::Code::F32 && sp.scalar_type() == torch::kHalf && sp.is_contiguous() &&
                     supers > 0 && supers * n == sp.numel() && groups % supers == 0,
-                what, ": its super-block factors must be contiguous fp32 of N x (G / per), for codes");
-    gv.super = sp.data_ptr<float>();
+                what, ": its super-block factors must be contiguous fp16 of N x (G / per), for codes, got ",
+                sp.scalar_type());
+    gv.super = static_cast<const cpk::F16*>(sp.data_ptr());
     gv.per = groups / supers;
   }
   return gv;

@@ -52,7 +52,7 @@ inline void expand_scalar(const GroupValues& gv, bool panel_order, int64_t n, in
           d[i] = x;
           continue;
         }
-        d[i] = gv.super[sat + (panel_order ? (g / gv.per) * w + c : c * supers + g / gv.per)] * x;
+        d[i] = gv.super_at(sat + (panel_order ? (g / gv.per) * w + c : c * supers + g / gv.per)) * x;
       }
   }
 }
@@ -96,10 +96,10 @@ inline void narrow_group(const GroupScales& gs, const PanelAt& at, int64_t w, in
     s[c] = o[c] = 0.f;
     if (c >= w) continue;
     const float x = widen(sv.code, sv.values, at.values + g * w + c);
-    s[c] = sv.super != nullptr ? sv.super[at.scale_supers + sb * w + c] * x : x;
+    s[c] = sv.super != nullptr ? sv.super_at(at.scale_supers + sb * w + c) * x : x;
     if (ov.values == nullptr) continue;
     const float y = widen(ov.code, ov.values, at.values + g * w + c);
-    const float coded = ov.super != nullptr ? ov.super[at.offset_supers + ob * w + c] * y : y;
+    const float coded = ov.super != nullptr ? ov.super_at(at.offset_supers + ob * w + c) * y : y;
     o[c] = ov.coded() ? gs.mid * s[c] + coded : coded;
   }
 }
@@ -120,14 +120,19 @@ inline void fold_codes(const GroupScales& gs, const PanelAt& at, int64_t w, int6
 }
 inline void fold_supers(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t b, float* S, float* O) {
   for (int64_t c = 0; c < kPanel; ++c) {
-    S[c] = c < w ? gs.scales.super[at.scale_supers + b * w + c] : 0.f;
-    O[c] = c < w && gs.offsets.values != nullptr ? gs.offsets.super[at.offset_supers + b * w + c] : 0.f;
+    S[c] = c < w ? gs.scales.super_at(at.scale_supers + b * w + c) : 0.f;
+    O[c] = c < w && gs.offsets.values != nullptr ? gs.offsets.super_at(at.offset_supers + b * w + c) : 0.f;
   }
 }
 
 #if defined(__x86_64__)
 #define CPK_CODES_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #define CPK_CODES_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// 16 (or 8) super-block factors, fp16 as stored, widened exactly.
+CPK_CODES_AVX512 inline __m512 supers16(const F16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 CPK_CODES_AVX512 inline __m512 widen16(Code code, const void* p, int64_t i) {
   switch (code) {
@@ -150,12 +155,12 @@ CPK_CODES_AVX512 inline __m512 widen16(Code code, const void* p, int64_t i) {
 CPK_CODES_AVX512 inline void expand_panel_avx512(const GroupScales& gs, int64_t groups, int64_t u, float* s, float* o) {
   const GroupValues &sv = gs.scales, &ov = gs.offsets;
   const int64_t at = u * kPanel * groups, per = sv.super != nullptr ? sv.per : groups;
-  const float* ssup = sv.super != nullptr ? sv.super + u * kPanel * (groups / per) : nullptr;
-  const float* osup = o != nullptr && ov.super != nullptr ? ov.super + u * kPanel * (groups / per) : nullptr;
+  const F16* ssup = sv.super != nullptr ? sv.super + u * kPanel * (groups / per) : nullptr;
+  const F16* osup = o != nullptr && ov.super != nullptr ? ov.super + u * kPanel * (groups / per) : nullptr;
   const __m512 mid = _mm512_set1_ps(gs.mid);
   for (int64_t g0 = 0, b = 0; g0 < groups; g0 += per, ++b) {
-    const __m512 sf = ssup != nullptr ? _mm512_loadu_ps(ssup + b * kPanel) : _mm512_setzero_ps();
-    const __m512 of = osup != nullptr ? _mm512_loadu_ps(osup + b * kPanel) : _mm512_setzero_ps();
+    const __m512 sf = ssup != nullptr ? supers16(ssup + b * kPanel) : _mm512_setzero_ps();
+    const __m512 of = osup != nullptr ? supers16(osup + b * kPanel) : _mm512_setzero_ps();
     for (int64_t g = g0; g < g0 + per; ++g) {
       __m512 x = widen16(sv.code, sv.values, at + g * kPanel);
       if (ssup != nullptr) x = _mm512_mul_ps(sf, x);
@@ -166,6 +171,10 @@ CPK_CODES_AVX512 inline void expand_panel_avx512(const GroupScales& gs, int64_t 
       _mm512_storeu_ps(o + g * kPanel, _mm512_add_ps(_mm512_mul_ps(mid, x), y));
     }
   }
+}
+
+CPK_CODES_AVX2 inline __m256 supers8(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 CPK_CODES_AVX2 inline __m256 widen8(Code code, const void* p, int64_t i) {
@@ -186,13 +195,13 @@ CPK_CODES_AVX2 inline __m256 widen8(Code code, const void* p, int64_t i) {
 CPK_CODES_AVX2 inline void expand_panel_avx2(const GroupScales& gs, int64_t groups, int64_t u, float* s, float* o) {
   const GroupValues &sv = gs.scales, &ov = gs.offsets;
   const int64_t at = u * kPanel * groups, per = sv.super != nullptr ? sv.per : groups;
-  const float* ssup = sv.super != nullptr ? sv.super + u * kPanel * (groups / per) : nullptr;
-  const float* osup = o != nullptr && ov.super != nullptr ? ov.super + u * kPanel * (groups / per) : nullptr;
+  const F16* ssup = sv.super != nullptr ? sv.super + u * kPanel * (groups / per) : nullptr;
+  const F16* osup = o != nullptr && ov.super != nullptr ? ov.super + u * kPanel * (groups / per) : nullptr;
   const __m256 mid = _mm256_set1_ps(gs.mid);
   for (int64_t g0 = 0, b = 0; g0 < groups; g0 += per, ++b)
     for (int64_t h = 0; h < kPanel; h += 8) {
-      const __m256 sf = ssup != nullptr ? _mm256_loadu_ps(ssup + b * kPanel + h) : _mm256_setzero_ps();
-      const __m256 of = osup != nullptr ? _mm256_loadu_ps(osup + b * kPanel + h) : _mm256_setzero_ps();
+      const __m256 sf = ssup != nullptr ? supers8(ssup + b * kPanel + h) : _mm256_setzero_ps();
+      const __m256 of = osup != nullptr ? supers8(osup + b * kPanel + h) : _mm256_setzero_ps();
       for (int64_t g = g0; g < g0 + per; ++g) {
         __m256 x = widen8(sv.code, sv.values, at + g * kPanel + h);
         if (ssup != nullptr) x = _mm256_mul_ps(sf, x);
@@ -226,10 +235,10 @@ CPK_CODES_AVX512 inline void group16(const GroupScales& gs, const PanelAt& at, i
   const GroupValues &sv = gs.scales, &ov = gs.offsets;
   const int64_t i = at.values + g * kPanel;
   s = widen16(sv.code, sv.values, i);
-  if (sv.super != nullptr) s = _mm512_mul_ps(_mm512_loadu_ps(sv.super + at.scale_supers + sb * kPanel), s);
+  if (sv.super != nullptr) s = _mm512_mul_ps(supers16(sv.super + at.scale_supers + sb * kPanel), s);
   if (ov.values == nullptr) return;
   o = widen16(ov.code, ov.values, i);
-  if (ov.super != nullptr) o = _mm512_mul_ps(_mm512_loadu_ps(ov.super + at.offset_supers + ob * kPanel), o);
+  if (ov.super != nullptr) o = _mm512_mul_ps(supers16(ov.super + at.offset_supers + ob * kPanel), o);
   if (ov.coded()) o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(gs.mid), s), o);
 }
 
@@ -255,8 +264,8 @@ CPK_CODES_AVX512 inline void fold_codes16(const GroupScales& gs, const PanelAt& 
 CPK_CODES_AVX512 inline void fold_supers16(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t b, __m512& S,
                                            __m512& O) {
   if (w == kPanel) {
-    S = _mm512_loadu_ps(gs.scales.super + at.scale_supers + b * kPanel);
-    O = gs.offsets.values != nullptr ? _mm512_loadu_ps(gs.offsets.super + at.offset_supers + b * kPanel)
+    S = supers16(gs.scales.super + at.scale_supers + b * kPanel);
+    O = gs.offsets.values != nullptr ? supers16(gs.offsets.super + at.offset_supers + b * kPanel)
                                      : _mm512_setzero_ps();
     return;
   }
@@ -285,8 +294,8 @@ CPK_CODES_AVX2 inline void fold_codes8(const GroupScales& gs, const PanelAt& at,
 CPK_CODES_AVX2 inline void fold_supers8(const GroupScales& gs, const PanelAt& at, int64_t w, int64_t b, int h,
                                         __m256& S, __m256& O) {
   if (w == kPanel) {
-    S = _mm256_loadu_ps(gs.scales.super + at.scale_supers + b * kPanel + 8 * h);
-    O = gs.offsets.values != nullptr ? _mm256_loadu_ps(gs.offsets.super + at.offset_supers + b * kPanel + 8 * h)
+    S = supers8(gs.scales.super + at.scale_supers + b * kPanel + 8 * h);
+    O = gs.offsets.values != nullptr ? supers8(gs.offsets.super + at.offset_supers + b * kPanel + 8 * h)
                                      : _mm256_setzero_ps();
     return;
   }
@@ -302,10 +311,10 @@ CPK_CODES_AVX2 inline void group8(const GroupScales& gs, const PanelAt& at, int6
   const GroupValues &sv = gs.scales, &ov = gs.offsets;
   const int64_t i = at.values + g * kPanel + 8 * h;
   s = widen8(sv.code, sv.values, i);
-  if (sv.super != nullptr) s = _mm256_mul_ps(_mm256_loadu_ps(sv.super + at.scale_supers + sb * kPanel + 8 * h), s);
+  if (sv.super != nullptr) s = _mm256_mul_ps(supers8(sv.super + at.scale_supers + sb * kPanel + 8 * h), s);
   if (ov.values == nullptr) return;
   o = widen8(ov.code, ov.values, i);
-  if (ov.super != nullptr) o = _mm256_mul_ps(_mm256_loadu_ps(ov.super + at.offset_supers + ob * kPanel + 8 * h), o);
+  if (ov.super != nullptr) o = _mm256_mul_ps(supers8(ov.super + at.offset_supers + ob * kPanel + 8 * h), o);
   if (ov.coded()) o = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(gs.mid), s), o);
 }
 #endif
