@@ -78,6 +78,35 @@ def _joined(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": text}
 
 
+def _developer_as_system(messages: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """OpenAI's `developer` role as `system` for a template that does not name it (as vLLM renders
+    it), the system messages then merged into one first message ("\n\n" between them): templates
+    that take a system prompt take it first, and some refuse one anywhere else."""
+    if not any(m.get("role") == "developer" for m in messages) or "'developer'" in source or '"developer"' in source:
+        return messages
+    converted = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
+    if systems == [0]:
+        return converted
+    text = "\n\n".join(_joined(converted[i]).get("content") or "" for i in systems)
+    return [{"role": "system", "content": text}, *(m for m in converted if m.get("role") != "system")]
+
+
+def _continued(rendered: str, final: dict[str, Any]) -> str:
+    """The rendered chat cut right after the final message's text (continue_final_message), so the
+    model goes on writing that message instead of closing it: the text's last occurrence, trailing
+    whitespace kept only where the template kept it."""
+    text = _joined(final).get("content")
+    if not isinstance(text, str) or not text.strip():
+        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+    at = rendered.rfind(text.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not print the final message's text")
+    kept = text.lstrip()
+    end = at + len(kept) if rendered.startswith(kept, at) else at + len(text.strip())
+    return rendered[:end]
+
+
 @functools.lru_cache(maxsize=64)
 def _loops_over_content(source: str) -> bool:
     try:
@@ -241,14 +270,22 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template: str | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
         """Render messages to the prompt text the model was trained on (or with `template`). Content
         given as a list of text parts reaches a template that loops over it as it is, and one that
-        prints it joined into one string (see takes_content_parts)."""
+        prints it joined into one string (see takes_content_parts). continue_final_message: the
+        text ends where the final message's does (the model continues it)."""
         source = template or self.chat_template
         if source is None:
             raise ChatTemplateError("this model has no chat template; use a plain prompt or --chat-template")
+        messages = _developer_as_system(messages, source)
+        if continue_final_message:
+            if not messages:
+                raise ChatTemplateError("continue_final_message: there is no final message")
+            rendered = self.apply_chat_template(messages, False, template, **extra)
+            return _continued(rendered, messages[-1])
         if not _loops_over_content(source):
             messages = [_joined(m) for m in messages]
         compiled = self._compiled.get(source)

@@ -252,10 +252,10 @@ def test_ingress_metrics_label_each_replica() -> None:
         return m.render(EngineStats(running, 0, 0.25, 10, 4, 0, 1, 5, 0)).decode()
 
     out = IngressMetrics().render({"r1": text(1), "r2": text(3)}, live=2, prefix_routed=7).decode()
-    assert 'cpuserve:num_requests_running{model_name="m",replica="r1"} 1.0' in out
-    assert 'cpuserve:num_requests_running{model_name="m",replica="r2"} 3.0' in out
-    assert 'cpuserve:prompt_tokens_total{model_name="m",replica="r2"} 5.0' in out
-    assert out.count("# TYPE cpuserve:num_requests_running gauge") == 1  # one family, two samples
+    assert 'vllm:num_requests_running{model_name="m",replica="r1"} 1.0' in out
+    assert 'vllm:num_requests_running{model_name="m",replica="r2"} 3.0' in out
+    assert 'vllm:prompt_tokens_total{model_name="m",replica="r2"} 5.0' in out
+    assert out.count("# TYPE vllm:num_requests_running gauge") == 1  # one family, two samples
     assert "cpuserve:cluster_replicas 2.0" in out and "cpuserve:cluster_prefix_routed 7.0" in out
 
 

@@ -205,7 +205,10 @@ def test_impossible_requests_are_rejected_and_nothing_is_queued(engine, kwargs, 
 
 def test_prompt_longer_than_max_model_len_is_rejected(our_smol, tokenizer, smol_dir):
     small = make_engine(our_smol, tokenizer, smol_dir, max_model_len=64)
-    with pytest.raises(InvalidRequest, match=r"^prompt: is 1.. tokens; this server's max_model_len is 64"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"^prompt: This model's maximum context length is 64 tokens\. However, your prompt contains 1.. input tokens",
+    ):
         small.add_request("long", "word " * 100, SamplingParams())
     with pytest.raises(InvalidRequest, match=r"^prompt: token id 99999 is outside the vocabulary"):
         small.add_request("ids", [1, 2, 99999], SamplingParams())

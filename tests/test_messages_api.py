@@ -197,7 +197,6 @@ def test_a_missing_max_tokens_is_a_400_in_anthropic_shape(server):
         ({"model": "claude-nonexistent"}, 404, "not_found_error"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error"),
-        ({"messages": [*QUESTION, {"role": "assistant", "content": "The capital"}]}, 400, "invalid_request_error"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
     ],
 )
@@ -207,3 +206,13 @@ def test_what_cannot_be_served_is_an_anthropic_error(client, fields, status, kin
         client.messages.create(**kwargs)
     assert err.value.status_code == status
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == kind
+
+
+def test_a_final_assistant_message_is_continued(client, chat):
+    """Anthropic's prefill: the reply goes on from the final assistant message's text, the same
+    tokens as the chat completion told to continue it (continue_final_message)."""
+    messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    m = client.messages.create(model=MODEL, max_tokens=8, messages=messages, **GREEDY)
+    text, _, usage = chat_answer(chat, messages, 8, extra_body={"continue_final_message": True})
+    assert m.content[0].text == text and m.usage.input_tokens == usage.prompt_tokens
+    assert "Paris" in text

@@ -216,14 +216,14 @@ def test_tokenize_detokenize_version_metrics(server, tokenizer):
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     for name in (
-        "cpuserve:num_requests_running",
-        "cpuserve:num_requests_waiting",
-        "cpuserve:kv_cache_usage_perc",
-        "cpuserve:prefix_cache_hit_rate",
-        "cpuserve:time_to_first_token_seconds_bucket",
-        "cpuserve:inter_token_latency_seconds_bucket",
-        "cpuserve:prompt_tokens_total",
-        "cpuserve:generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hit_rate",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
     ):
         assert name in text, name
 
@@ -292,7 +292,6 @@ def test_allowed_token_ids_limit_every_draw_and_bad_ones_are_refused(client, tok
     [
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"echo": True}, "echo"),
     ],
 )
 def test_parameters_not_honoured_yet_are_refused_not_ignored(server, body, param):
@@ -312,3 +311,147 @@ def test_neutral_values_of_those_parameters_are_served(client):
     assert out.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=1, extra_body={"best_of": 3})
+
+
+# vLLM's behaviour where clients rely on it (an audit with real clients, session 32)
+
+
+def test_max_tokens_is_cut_to_the_context_as_vllm_does(client, server, tokenizer):
+    ids = tokenizer.encode("word " * 2100)[:2040]
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2000, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2048 - 2040
+    status, err = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2049})
+    assert status == 400 and err["error"]["param"] == "max_tokens"
+    assert "cannot be greater than max_model_len=2048" in err["error"]["message"]
+    status, err = _post(server, "/v1/completions", {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1})
+    assert status == 400 and err["error"]["param"] == "prompt"
+    assert "maximum context length is 2048 tokens" in err["error"]["message"]  # what LiteLLM & co. match
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_end(client, tokenizer):
+    ids = tokenizer.encode("The history of the city " * 200)
+    greedy = dict(model=MODEL, max_tokens=4, temperature=0)
+    cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 100}, **greedy)
+    assert cut.usage.prompt_tokens == 100
+    assert cut.choices[0].text == client.completions.create(prompt=ids[-100:], **greedy).choices[0].text
+    right = client.completions.create(
+        prompt=ids, extra_body={"truncate_prompt_tokens": 50, "truncation_side": "right"}, **greedy
+    )
+    assert right.choices[0].text == client.completions.create(prompt=ids[:50], **greedy).choices[0].text
+    chat = client.chat.completions.create(messages=QUESTION, extra_body={"truncate_prompt_tokens": 5}, **greedy)
+    assert chat.usage.prompt_tokens == 5
+
+
+def test_continue_final_message_and_developer_role(server, client, tokenizer, smol_dir):
+    transformers = pytest.importorskip("transformers")
+    from cpuserve.model.resolve import bundled_gguf
+
+    gguf = bundled_gguf()
+    hf = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    messages = [
+        {"role": "user", "content": "Write a haiku about rain."},
+        {"role": "assistant", "content": "Soft rain on the"},
+    ]
+    body = {"model": MODEL, "messages": messages, "continue_final_message": True}
+    status, tok = _post(server, "/tokenize", {**body, "add_generation_prompt": False})
+    want = hf.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert status == 200 and want.endswith("Soft rain on the")
+    assert tok["tokens"] == hf.encode(want, add_special_tokens=False)
+    assert _post(server, "/tokenize", body)[1]["tokens"] == tok["tokens"]  # add_generation_prompt not given
+    status, err = _post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"continue_final_message": True}
+    )
+    assert out.usage.prompt_tokens == len(tok["tokens"])
+    plain = [messages[0]]
+    developer = _post(
+        server, "/tokenize", {"model": MODEL, "messages": [{"role": "developer", "content": "Be brief."}, *plain]}
+    )
+    system = _post(
+        server, "/tokenize", {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."}, *plain]}
+    )
+    assert developer[1]["tokens"] == system[1]["tokens"]
+    both = [{"role": "system", "content": "A."}, {"role": "developer", "content": "B."}, *plain]
+    merged = [{"role": "system", "content": "A.\n\nB."}, *plain]
+    assert _post(server, "/tokenize", {"model": MODEL, "messages": both})[1]["tokens"] == tokenizer.encode_chat(merged)
+
+
+def test_template_gets_reasoning_effort_and_documents(client, tokenizer):
+    template = "{{ reasoning_effort }}{% if enable_thinking %} thinking{% endif %} {{ documents | length }}"
+    for effort, rendered in (("high", "high thinking 3"), ("none", "none 3")):
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=1,
+            extra_body={"chat_template": template, "reasoning_effort": effort, "documents": [{"text": "a"}] * 3},
+        )
+        assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False)), effort
+
+
+def test_completion_logprobs_list_the_sampled_token(client):
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=1.0, seed=3, logprobs=0
+    )
+    lp = r.choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top == {token: value}
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"bad_words": ["Paris"]}, "bad_words"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"priority": 1}, "priority"),
+        ({"cache_salt": "tenant-a"}, "cache_salt"),
+        ({"return_token_ids": True}, "return_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": 2**70}, "seed"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_vllm_parameters_not_honoured_are_refused(server, body, param):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **body}
+    r = httpx.post(f"{server}/v1/chat/completions", json=request, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_ping_model_retrieve_and_malformed_json(server, client):
+    with urllib.request.urlopen(server + "/ping", timeout=10) as r:
+        assert r.status == 200
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=b'{"model": "smol", "messages": [',
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_chat_echo_starts_the_reply_with_the_final_assistant_message(client):
+    messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    common = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**common, extra_body={"continue_final_message": True})
+    echoed = client.chat.completions.create(**common, extra_body={"continue_final_message": True, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France is" + plain.choices[0].message.content
+    stream = client.chat.completions.create(
+        **common, stream=True, extra_body={"continue_final_message": True, "echo": True}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == echoed.choices[0].message.content
+    no_echo = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, extra_body={"echo": True}
+    )
+    assert (
+        no_echo.choices[0].message.content
+        == client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0)
+        .choices[0]
+        .message.content
+    )  # the final message is the user's: nothing to echo

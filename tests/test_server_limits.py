@@ -53,13 +53,13 @@ def test_full_queue_gives_503_with_retry_after(server):
                 daemon=True,
             )
             waiting.start()
-            assert wait_for(lambda: metric(server, "cpuserve:num_requests_waiting") == 1)
+            assert wait_for(lambda: metric(server, "vllm:num_requests_waiting") == 1)
             r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
         waiting.join(timeout=120)
     # Once the queue drains, requests are served again.
-    assert wait_for(lambda: metric(server, "cpuserve:num_requests_waiting") == 0)
+    assert wait_for(lambda: metric(server, "vllm:num_requests_waiting") == 0)
     req = urllib.request.Request(
         server + "/v1/completions",
         data=json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
@@ -74,10 +74,10 @@ def test_disconnect_mid_stream_aborts_and_frees_the_kv_cache(server):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert metric(server, "cpuserve:num_requests_running") == 1
+        assert metric(server, "vllm:num_requests_running") == 1
     # The connection is closed with ~395 tokens still to go: the request must stop at once.
-    assert wait_for(lambda: metric(server, "cpuserve:num_requests_running") == 0, timeout=10)
-    assert metric(server, "cpuserve:kv_cache_usage_perc") == 0.0
+    assert wait_for(lambda: metric(server, "vllm:num_requests_running") == 0, timeout=10)
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0.0
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(
             urllib.request.Request(
@@ -94,11 +94,11 @@ def test_a_client_gone_during_a_long_prefill_is_aborted_before_its_first_token(s
     args = [str(smol_dir), "--max-num-batched-tokens", "16", "--max-model-len", "2048", "--max-num-seqs", "2"]
     with running_server(args, {"CPUSERVE_CACHE_DIR": str(cache_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         long_prompt = {"prompt": [1000 + (i * 7) % 20000 for i in range(2000)], "max_tokens": 8, "stream": True}
-        before = metric(base, "cpuserve:generation_tokens_total")
+        before = metric(base, "vllm:generation_tokens_total")
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=long_prompt, timeout=httpx.Timeout(60, read=0.5))
-        assert wait_for(lambda: metric(base, "cpuserve:num_requests_running") == 0, timeout=20)
-        assert metric(base, "cpuserve:generation_tokens_total") == before  # aborted mid-prefill
-        assert metric(base, "cpuserve:kv_cache_usage_perc") == 0.0
+        assert wait_for(lambda: metric(base, "vllm:num_requests_running") == 0, timeout=20)
+        assert metric(base, "vllm:generation_tokens_total") == before  # aborted mid-prefill
+        assert metric(base, "vllm:kv_cache_usage_perc") == 0.0
         r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -284,3 +284,26 @@ def test_structural_tag_holds_each_tagged_segment_to_its_schema(engine, tokenize
         opened = text.count("<function=get_weather>")
         assert opened == text.count("</function>") or out.outputs[0].finish_reason == "length", text
     assert segments > 0
+
+
+@pytest.mark.parametrize(
+    "pattern,rewritten",
+    [
+        (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+        (r"[\d-]+\w", r"[0-9-]+[0-9A-Za-z_]"),
+        (r"[^\d\s]", r"[^0-9 \t\n\r\f\v]"),
+        (r"\D\W\S", r"[^0-9][^0-9A-Za-z_][^ \t\n\r\f\v]"),
+        (r"[]\d]x", "[]0-9]x"),  # a class's first ']' is a literal
+        (r"[^]\d]", "[^]0-9]"),
+        (r"\\d\.\p{L}[\Da]", r"\\d\.\p{L}[\Da]"),  # escapes kept; a negated shorthand inside a class left as is
+    ],
+)
+def test_regex_shorthand_classes_are_ascii(pattern, rewritten):
+    from cpuserve.engine.structured.regex_classes import ascii_classes
+
+    assert ascii_classes(pattern) == rewritten
+    if "\\p" in pattern:
+        return  # Python's re has no \p{...}
+    probe = "0123456789 \t\nabcXYZ_-]\u0663\u00e9"  # Arabic-Indic three and é: outside every ASCII class
+    for ch in probe:  # the same characters match as under Python's ASCII reading of the original
+        assert bool(re.fullmatch(rewritten, ch * 8)) == bool(re.fullmatch(pattern, ch * 8, re.ASCII)), (pattern, ch)

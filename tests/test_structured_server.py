@@ -133,6 +133,7 @@ def test_regex_choice_and_grammar_hold_on_completions_and_chat(client, stream):
     cases = [
         ({"structured_outputs": {"regex": regex}}, lambda t: re.fullmatch(regex, t)),
         ({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
+        ({"guided_regex": r"\d{3}-\d{4}"}, lambda t: re.fullmatch(regex, t)),  # ASCII digits, as xgrammar's
         ({"structured_outputs": {"choice": ["red", "green apple"]}}, lambda t: t in ("red", "green apple")),
         ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
         ({"structured_outputs": {"grammar": grammar}}, lambda t: re.fullmatch(r"(hello|goodbye) [A-Z][a-z]+", t)),
@@ -154,6 +155,24 @@ def test_regex_choice_and_grammar_hold_on_completions_and_chat(client, stream):
 
 
 # ---- tools ----------------------------------------------------------------------------------------
+
+
+def test_a_named_call_cut_by_max_tokens_is_still_the_call(client):
+    """vLLM's shape: a named tool choice's output is the call's arguments however far it got, the
+    same text streamed and not, finish_reason "length" saying it was cut."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    common = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=named, max_tokens=4, temperature=0)
+    out = client.chat.completions.create(**common).choices[0]
+    assert out.finish_reason == "length" and out.message.content is None
+    (call,) = out.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    streamed = "".join(
+        tc.function.arguments or ""
+        for c in client.chat.completions.create(stream=True, **common)
+        if c.choices
+        for tc in c.choices[0].delta.tool_calls or []
+    )
+    assert streamed == call.function.arguments
 
 
 def test_named_and_required_tool_choice_always_call_with_valid_arguments(client):
@@ -424,6 +443,13 @@ def test_reasoning_is_split_and_a_constraint_starts_after_it(think_client):
     m = constrained.choices[0].message
     assert m.model_extra["reasoning_content"] == reasoning  # the thinking ran free
     jsonschema.validate(json.loads(m.content), schema)
+    hidden = {"chat_template": THINK, "include_reasoning": False}  # vLLM's: read out, then left out
+    quiet = think_client.chat.completions.create(extra_body=hidden, **common).choices[0].message
+    assert quiet.content == message.content and "reasoning_content" not in (quiet.model_extra or {})
+    streamed = think_client.chat.completions.create(extra_body=hidden, stream=True, **common)
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(d.content or "" for d in deltas) == message.content
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas)
 
 
 def test_auto_tool_choice_needs_the_flag(think_client):

@@ -31,15 +31,21 @@ class InputProcessor:
         if not ids:
             raise InvalidRequest("prompt", "is empty")
         if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and params.max_tokens != 0):
-            room = ", which leaves no room to generate" if len(ids) == self.max_model_len else ""
+            # vLLM's and OpenAI's wording, which clients match to trim their context and retry
+            room = "leaves no room for any output token" if len(ids) == self.max_model_len else "exceeds this limit"
             raise InvalidRequest(
-                "prompt", f"is {len(ids)} tokens; this server's max_model_len is {self.max_model_len}{room}"
+                "prompt",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {len(ids)} input tokens, which {room}. Please reduce the length of the input "
+                "prompt.",
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 "max_tokens",
-                f"{params.max_tokens} + {len(ids)} prompt tokens exceeds max_model_len "
-                f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)}",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
+                f"output). Please reduce the length of the prompt or of max_tokens (at most "
+                f"{self.max_model_len - len(ids)}).",
             )
         grammar = None
         if params.structured_outputs is not None:

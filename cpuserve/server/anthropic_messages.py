@@ -116,10 +116,13 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
         raise InvalidRequest("output_config.format", "must be of type json_schema")
     choice, parallel = _tool_choice(req.tool_choice)
+    prefill = req.messages[-1].role == "assistant"  # the reply continues it (Anthropic's prefill)
     return chat_request(
         "messages",
         **req.model_dump(include={"model", "max_tokens", "temperature", "top_p", "top_k"}),
         messages=_messages(req),
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
         stop=req.stop_sequences,
         tools=[_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
         tool_choice=choice,
@@ -152,8 +155,6 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
             message["tool_calls"] = calls
         if texts or calls or not any(b.get("type") == "tool_result" for b in blocks):
             out.append(message)
-    if req.messages[-1].role == "assistant":
-        raise InvalidRequest("messages", "a final assistant message (a prefill to continue) is not supported")
     return out
 
 

@@ -20,7 +20,7 @@ from starlette._utils import get_route_path  # the path exactly as the router ma
 from cpuserve.server.errors import APIError, error_response
 
 # Probes and the API's own description: no data, no model, nothing a key protects.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 AUTH_ERROR = APIError(401, "Invalid or missing API key.", "AuthenticationError", code="invalid_api_key")
 

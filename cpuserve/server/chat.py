@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from cpuserve.engine import InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs
+from cpuserve.engine import MAX_LOGPROBS, InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs
 from cpuserve.server import streaming
 from cpuserve.server.errors import APIError
 from cpuserve.server.logprobs import chat_logprobs, prompt_logprobs_json
@@ -50,12 +50,21 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
         kwargs.setdefault("tools", req.tools)
+    if req.documents is not None:  # for templates that take retrieved documents, as vLLM passes them
+        kwargs.setdefault("documents", req.documents)
+    if req.reasoning_effort is not None:  # as vLLM gives it to the template, thinking on unless "none"
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise InvalidRequest("continue_final_message", "cannot be combined with add_generation_prompt true")
     try:
         return await server.tokens.encode_chat(
             messages,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             template=template,
             template_kwargs=kwargs,
+            continue_final_message=req.continue_final_message,
+            add_special_tokens=req.add_special_tokens,
         )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
@@ -127,6 +136,8 @@ class ChatRun:
     plan: ToolPlan
     in_reasoning: bool
     reasoning: ReasoningParser | None = None  # None: the server reads no reasoning, or the prompt closed it
+    show_reasoning: bool = True  # include_reasoning: False reads the reasoning out and drops it
+    echo: str = ""  # echo: the final assistant message's text, which the reply's content starts with
 
     @property
     def jobs(self) -> list[streaming.Job]:
@@ -138,12 +149,14 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     server.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:  # chat's name for it
+        raise APIError(400, f"must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}", param="top_logprobs")
     plan = plan_tools(
         req.tools, req.tool_choice, req.parallel_tool_calls, server.tool_parser, server.config.enable_auto_tool_choice
     )
     constraint = _constraint(req, plan)
     server.check_capacity(1)
-    ids = await chat_prompt(server, req)
+    ids = req.truncated(await chat_prompt(server, req), server.engine.max_model_len)
     reasoning, in_reasoning = _reasoning(server, ids)
     if constraint is not None and reasoning is not None and in_reasoning:  # the answer, after the thinking
         constraint = dataclasses.replace(constraint, after=reasoning.end)
@@ -154,7 +167,10 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     )
     if plan.parser is not None and plan.parser.needs_special_tokens:
         params.skip_special_tokens = False  # its markers are special tokens
-    return ChatRun(rid or f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ids, params, plan, in_reasoning, reasoning)
+    rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
+    final = req.messages[-1]
+    echo = join_text(final.content, "messages") if req.echo and final.role == "assistant" and final.content else ""
+    return ChatRun(rid, int(time.time()), ids, params, plan, in_reasoning, reasoning, req.include_reasoning, echo)
 
 
 async def create_chat_completion(server: Server, request: Request, req: ChatCompletionRequest) -> Response:
@@ -173,7 +189,7 @@ def chat_message(run: ChatRun, text: str, finish_reason: str | None) -> tuple[di
     plan = run.plan
     reasoning, content = run.reasoning.split(text, in_reasoning=run.in_reasoning) if run.reasoning else (None, text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None:
+    if reasoning is not None and run.show_reasoning:
         message["reasoning_content"] = reasoning
     if plan.reads_calls:
         parsed = read_calls(plan, content or "")
@@ -184,6 +200,8 @@ def chat_message(run: ChatRun, text: str, finish_reason: str | None) -> tuple[di
                 del c["index"]
             if finish_reason == "stop" and plan.mode != "named":  # a forced function: "stop", as OpenAI says
                 finish_reason = "tool_calls"
+    if run.echo:  # as vLLM echoes: the final message's text, then the reply's
+        message["content"] = run.echo + (message["content"] or "")
     return message, finish_reason
 
 
@@ -223,6 +241,7 @@ class _ChoiceStream:
 
     tools: ToolDeltaStream
     reasoning: ReasoningStream | None
+    show_reasoning: bool = True  # include_reasoning
     chars: int = 0
     logprobs: int = 0
 
@@ -232,7 +251,7 @@ class _ChoiceStream:
         for piece, ended in ((text, False), ("", True)) if final else ((text, False),):
             if self.reasoning is not None:
                 thought, content = self.reasoning.finish() if ended else self.reasoning.feed(piece)
-                if thought:
+                if thought and self.show_reasoning:
                     out.append({"reasoning_content": thought})
             else:
                 content = piece
@@ -267,7 +286,7 @@ async def choice_deltas(
             state = streams.get(o.index)
             if state is None:
                 reasoning = run.reasoning.stream(in_reasoning=run.in_reasoning) if run.reasoning else None
-                state = streams[o.index] = _ChoiceStream(ToolDeltaStream(run.plan), reasoning)
+                state = streams[o.index] = _ChoiceStream(ToolDeltaStream(run.plan), reasoning, run.show_reasoning)
                 yield ChoiceDelta(out, o.index, True, [], [])
             text, new_lp = o.text[state.chars :], (o.logprobs or [])[state.logprobs :]
             if not (text or new_lp or o.finish_reason):
@@ -306,7 +325,7 @@ async def _events(
     async for d in choice_deltas(server, run, merged):
         last = d.out
         if d.opening:
-            first = {"index": d.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            first = {"index": d.index, "delta": {"role": "assistant", "content": run.echo}, "logprobs": None}
             yield chunk([{**first, "finish_reason": None}])
             continue
         for j, delta in enumerate(d.deltas):

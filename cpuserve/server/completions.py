@@ -49,7 +49,8 @@ async def create_completion(server: Server, request: Request, req: CompletionReq
     created = int(time.time())
     jobs: list[streaming.Job] = []
     for i, prompt in enumerate(prompts):
-        ids = await server.tokens.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = await server.tokens.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
+        ids = req.truncated(ids, server.engine.max_model_len)
         max_tokens = server.max_tokens(req.max_tokens, len(ids), DEFAULT_MAX_TOKENS)
         params = req.sampling_params(req.logprobs, server.config.sampling_defaults, max_tokens, constraint)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:

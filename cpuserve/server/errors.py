@@ -87,6 +87,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a parameter
+            at = next((p for p in first.get("loc", []) if isinstance(p, int)), None)
+            where = f" at character {at}" if at is not None else ""
+            return error_response(
+                400, f"The request body is not valid JSON ({first.get('msg')}{where})", "BadRequestError"
+            )
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
         param = ".".join(loc) or None
         return error_response(

@@ -34,10 +34,20 @@ def completion_logprobs(
             text = _text(tokenizer, token)
             tokens.append(text)
             token_lps.append(e.logprob if e is not None else None)
-            tops.append({_text(tokenizer, t): lp for t, lp in e.top.items()} if e is not None else None)
+            tops.append(_completion_top(tokenizer, token, e))
             offsets.append(pos)
             pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _completion_top(tokenizer: Tokenizer, token: int, e: TokenLogprobs | None) -> dict[str, float] | None:
+    """A token's top alternatives, text -> logprob, with the token itself among them (OpenAI: "up to
+    logprobs + 1 elements"; vLLM the same) even when it was not among the top `logprobs`."""
+    if e is None:
+        return None
+    top = {_text(tokenizer, t): lp for t, lp in e.top.items()}
+    top.setdefault(_text(tokenizer, token), e.logprob)
+    return top
 
 
 def _chat_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:

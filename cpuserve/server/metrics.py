@@ -1,4 +1,6 @@
-"""Prometheus metrics, in a registry of the server's own (several apps may live in one test process)."""
+"""Prometheus metrics, in a registry of the server's own (several apps may live in one test process).
+Named as vLLM names them (`vllm:` prefix, same labels), so dashboards and autoscaler rules written
+for a vLLM server read this one unchanged."""
 
 from __future__ import annotations
 
@@ -17,32 +19,32 @@ class Metrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
 
-        self.running = gauge("cpuserve:num_requests_running", "Sequences in the running batch")
-        self.waiting = gauge("cpuserve:num_requests_waiting", "Sequences waiting to be scheduled")
-        self.kv_usage = gauge("cpuserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use")
-        self.prefix_hit_rate = gauge("cpuserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self.running = gauge("vllm:num_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use")
+        self.prefix_hit_rate = gauge("vllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
         self.prompt_tokens = Counter(
-            "cpuserve:prompt_tokens", "Prompt tokens received", list(labels), registry=self.registry
+            "vllm:prompt_tokens", "Prompt tokens received", list(labels), registry=self.registry
         ).labels(**labels)
         self.generation_tokens = Counter(
-            "cpuserve:generation_tokens", "Tokens generated", list(labels), registry=self.registry
+            "vllm:generation_tokens", "Tokens generated", list(labels), registry=self.registry
         ).labels(**labels)
         self.ttft = Histogram(
-            "cpuserve:time_to_first_token_seconds",
+            "vllm:time_to_first_token_seconds",
             "Request arrival to first token",
             list(labels),
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
         self.itl = Histogram(
-            "cpuserve:inter_token_latency_seconds",
+            "vllm:inter_token_latency_seconds",
             "Time between streamed tokens",
             list(labels),
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
         self.requests = Counter(
-            "cpuserve:request_success", "Finished requests", [*labels, "finished_reason"], registry=self.registry
+            "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=self.registry
         )
         self.model_name = model_name
 

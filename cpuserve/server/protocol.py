@@ -15,12 +15,32 @@ class StreamOptions(BaseModel):
 
 
 # Parameters OpenAI or vLLM define that this server does not honour: a request that gives one a
-# value that would change the answer is refused (400 naming it), never served as if it had not.
-# Unknown names stay ignored, as OpenAI's own server ignores them. (Output constraints are read
-# by structured.py, tools by tool_calls.py.)
+# value that would change the answer (or what comes back) is refused (400 naming it), never served
+# as if it had not. Unknown names stay ignored, as OpenAI's own server ignores them. (Output
+# constraints are read by structured.py, tools by tool_calls.py.)
 NOT_HONOURED = {
-    "functions": lambda v: bool(v),
+    "functions": bool,
     "function_call": lambda v: v not in (None, "none"),
+    "use_beam_search": bool,
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "bad_words": bool,
+    "logprob_token_ids": bool,
+    "watermarking": lambda v: v is not None,
+    "repetition_detection": lambda v: v is not None,
+    "thinking_token_budget": lambda v: v is not None,
+    "prompt_embeds": lambda v: v is not None,
+    "priority": lambda v: v not in (None, 0),  # vLLM too refuses it without priority scheduling
+    "cache_salt": lambda v: v is not None,
+    "return_tokens_as_token_ids": bool,
+    "return_token_ids": bool,
+    "return_token_offsets": bool,
+    "return_prompt_text": bool,
+    "return_mm_kwargs": bool,
+    "mm_processor_kwargs": bool,
+    "media_io_kwargs": bool,
+    "kv_transfer_params": lambda v: v is not None,
+    "ec_transfer_params": lambda v: v is not None,
+    "vllm_xargs": bool,
 }
 
 
@@ -41,6 +61,29 @@ class SamplingFields(BaseModel):
         best_of = getattr(self, "best_of", None)
         if best_of is not None and best_of != getattr(self, "n", 1):
             raise InvalidRequest("best_of", "only best_of equal to n is supported")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options", "can only be set when stream is true")
+        if self.truncation_side not in (None, "left", "right"):
+            raise InvalidRequest("truncation_side", "must be 'left' or 'right'")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            raise InvalidRequest("truncate_prompt_tokens", "must be -1 (the model's limit) or at least 0")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequest("seed", "must fit in 64 bits")
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens (-1: the model's limit less one token, to leave
+        room to generate, as vLLM does), keeping its end unless truncation_side is "right"."""
+        limit = self.truncate_prompt_tokens
+        if limit is None:
+            return ids
+        limit = max_model_len - 1 if limit == -1 else limit
+        if limit > max_model_len:
+            raise InvalidRequest(
+                "truncate_prompt_tokens", f"({limit}) cannot be greater than max_model_len ({max_model_len})"
+            )
+        if len(ids) <= limit:
+            return ids
+        return ids[:limit] if self.truncation_side == "right" else ids[len(ids) - limit :]
 
     model: str | None = None
     max_tokens: int | None = None
@@ -66,6 +109,8 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
     def sampling_params(
         self,
@@ -128,6 +173,7 @@ class CompletionRequest(SamplingFields):
                 raise InvalidRequest(name, "is a chat completions parameter; completions do not call tools")
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # a text prompt's BOS (or whatever the tokenizer adds)
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -155,11 +201,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
+    documents: list[dict[str, Any]] | None = None  # for templates that take retrieved documents
+    reasoning_effort: str | None = None  # to the template (and enable_thinking, unless given), as vLLM
+    include_reasoning: bool = True  # False: reasoning_content left out of the reply
 
     def refuse_unhonoured(self) -> None:
         super().refuse_unhonoured()
-        if self.echo:
-            raise InvalidRequest("echo", "is not supported on chat completions")
+        if self.max_tokens == 0 or self.max_completion_tokens == 0:
+            raise InvalidRequest("max_tokens", "must be at least 1, got 0")
 
 
 class TokenizeRequest(BaseModel):
@@ -168,6 +218,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None  # for the chat template, as vLLM's /tokenize takes them
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

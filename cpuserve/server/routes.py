@@ -49,24 +49,35 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200 if engine.alive else 503)
 
+    @app.get("/ping")  # vLLM's (SageMaker's) liveness route: /health's answer
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "cpuserve",
+            "root": name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+            "permission": [],
+        }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": server.created,
-                "owned_by": "cpuserve",
-                "root": name,
-                "max_model_len": engine.max_model_len,
-            }
-            for name in config.served_model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in config.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve)
+    async def model(model: str) -> dict:
+        server.check_model(model)
+        return model_card(model)
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest) -> Response:
@@ -95,8 +106,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         server.check_model(req.model)
         if req.messages:
             chat_req = ChatCompletionRequest(
+                **req.model_dump(include={"add_generation_prompt"} & req.model_fields_set),
                 messages=req.messages,
-                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
                 tools=req.tools,
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
@@ -106,7 +118,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             ids = await server.tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        body: dict = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [server.tokenizer.id_to_token(t) for t in ids]
+        return body
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuserve.engine import AsyncEngine
+from cpuserve.engine import AsyncEngine, InvalidRequest
 from cpuserve.server.errors import APIError
 from cpuserve.server.metrics import Metrics
 from cpuserve.server.reasoning import get_reasoning_parser
@@ -60,8 +60,17 @@ class Server:
             )
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
-        """The request's max_tokens, else what fits in the context (capped at `default` if given)."""
+        """The request's max_tokens cut to what fits in the context after the prompt, as vLLM does
+        (more than the whole context is a 400); none given: what fits (capped at `default` if given).
+        An over-long prompt is the input processor's to refuse."""
+        limit = self.engine.max_model_len
+        room = max(1, limit - prompt_len)
         if requested is not None:
-            return requested
-        room = self.engine.max_model_len - prompt_len
-        return max(1, min(default, room) if default is not None else room)
+            if requested > limit:
+                raise InvalidRequest(
+                    "max_tokens",
+                    f"max_tokens={requested} cannot be greater than max_model_len={limit}. "
+                    "Please request fewer output tokens.",
+                )
+            return min(requested, room) if requested > 0 else requested
+        return min(default, room) if default is not None else room

@@ -42,15 +42,22 @@ class TokenizerPool:
         add_generation_prompt: bool,
         template: str | None,
         template_kwargs: dict[str, Any],
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Render the chat template and encode the result, in one trip to a worker. The template
-        writes the special tokens itself, so none are added on top. ChatTemplateError passes through."""
+        writes the special tokens itself, so none are added on top unless asked (add_special_tokens,
+        as vLLM takes it). ChatTemplateError passes through."""
 
         def render_and_encode() -> list[int]:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, template=template, **template_kwargs
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                template=template,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
-            return self.tokenizer.encode_off_gil(text, add_special_tokens=False)
+            return self.tokenizer.encode_off_gil(text, add_special_tokens=add_special_tokens)
 
         return await self._run(render_and_encode)
 

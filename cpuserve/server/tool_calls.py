@@ -130,14 +130,8 @@ def read_calls(plan: ToolPlan, text: str) -> ParsedOutput:
 
 
 def _named(plan: ToolPlan, text: str) -> ParsedOutput:
-    """The grammar made the text the function's arguments; text that is not an object (cut by
-    max_tokens) is no call, and stays the content as it stands."""
-    try:
-        arguments = json.loads(text)
-    except json.JSONDecodeError:
-        return ParsedOutput(text, [])
-    if not isinstance(arguments, dict):
-        return ParsedOutput(text, [])
+    """The grammar made the text the function's arguments: the call, whole or cut short by
+    max_tokens (finish_reason "length" says which), as the stream sends it and as vLLM returns it."""
     return ParsedOutput(None, [ToolCall(str(plan.function), text)])
 
 

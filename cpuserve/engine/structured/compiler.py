@@ -21,6 +21,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from cpuserve.engine.sampling_params import InvalidRequest
 from cpuserve.engine.structured.matcher import GrammarState
+from cpuserve.engine.structured.regex_classes import ascii_classes
 from cpuserve.engine.structured.spec import StructuredOutputs
 
 CACHE_SIZE = 256
@@ -91,7 +92,7 @@ class GrammarCompiler:
             if spec.kind == "json":
                 return LLMatcher.grammar_from_json_schema(str(spec.value), defaults=JSON_OPTIONS)
             if spec.kind == "regex":
-                return LLMatcher.grammar_from_regex(str(spec.value))
+                return LLMatcher.grammar_from_regex(ascii_classes(str(spec.value)))
             if spec.kind == "choice":
                 return llguidance.grammar_from("choice", json.dumps(list(spec.value)))
             if spec.kind == "grammar":
