@@ -407,7 +407,6 @@ def test_completion_logprobs_list_the_sampled_token(client):
         ({"use_beam_search": True}, "use_beam_search"),
         ({"priority": 1}, "priority"),
         ({"cache_salt": "tenant-a"}, "cache_salt"),
-        ({"return_token_ids": True}, "return_token_ids"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"seed": 2**70}, "seed"),
@@ -455,3 +454,30 @@ def test_chat_echo_starts_the_reply_with_the_final_assistant_message(client):
         .choices[0]
         .message.content
     )  # the final message is the user's: nothing to echo
+
+
+def test_return_token_ids_and_tokens_named_by_id(client, tokenizer):
+    """vLLM's return_token_ids (the prompt's ids and each choice's, streamed as they come) and
+    return_tokens_as_token_ids (logprobs name tokens "token_id:N")."""
+    common = dict(model=MODEL, max_tokens=5, temperature=0)
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(messages=QUESTION, logprobs=True, extra_body=extra, **common)
+    choice = chat.choices[0]
+    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode_chat(QUESTION)
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == chat.usage.completion_tokens and tokenizer.decode(ids) == choice.message.content
+    assert [e.token for e in choice.logprobs.content] == [f"token_id:{t}" for t in ids]
+    chunks = list(client.chat.completions.create(messages=QUESTION, stream=True, extra_body=extra, **common))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert [t for c in chunks for ch in c.choices for t in (ch.model_extra or {}).get("token_ids") or []] == ids
+    prompt = "Once upon a time"
+    comp = client.completions.create(prompt=prompt, logprobs=1, extra_body=extra, **common).choices[0]
+    assert comp.model_extra["prompt_token_ids"] == tokenizer.encode(prompt)
+    assert comp.logprobs.tokens == [f"token_id:{t}" for t in comp.model_extra["token_ids"]]
+    assert tokenizer.decode(comp.model_extra["token_ids"]) == comp.text
+    streamed = [
+        c.choices[0].model_extra
+        for c in client.completions.create(prompt=prompt, stream=True, extra_body=extra, **common)
+    ]
+    assert streamed[0]["prompt_token_ids"] == tokenizer.encode(prompt)
+    assert [t for e in streamed for t in e["token_ids"]] == comp.model_extra["token_ids"]

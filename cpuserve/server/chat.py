@@ -212,10 +212,14 @@ def _body(server: Server, run: ChatRun, req: ChatCompletionRequest, out: Request
         choice: dict[str, Any] = {
             "index": o.index,
             "message": message,
-            "logprobs": chat_logprobs(server.tokenizer, o.logprobs or []) if req.logprobs else None,
+            "logprobs": chat_logprobs(server.tokenizer, o.logprobs or [], req.return_tokens_as_token_ids)
+            if req.logprobs
+            else None,
             "finish_reason": finish_reason,
             "stop_reason": o.stop_reason,
         }
+        if req.return_token_ids:
+            choice["token_ids"] = list(o.token_ids)
         choices.append(choice)
     prompt_len, completion = len(run.ids), sum(len(o.token_ids) for o in out.outputs)
     body = {
@@ -232,6 +236,8 @@ def _body(server: Server, run: ChatRun, req: ChatCompletionRequest, out: Request
     }
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(server.tokenizer, out.prompt_logprobs)
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(run.ids)
     return body
 
 
@@ -244,6 +250,7 @@ class _ChoiceStream:
     show_reasoning: bool = True  # include_reasoning
     chars: int = 0
     logprobs: int = 0
+    tokens: int = 0  # token ids sent (return_token_ids): those of text held back go with the next delta
 
     def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
         """Message fragments for `text` (this much more output), flushed at the end if `final`."""
@@ -272,6 +279,7 @@ class ChoiceDelta:
     opening: bool
     deltas: list[dict[str, Any]]
     logprobs: list[Any]
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # new since the last delta sent
     finish_reason: str | None = None  # "tool_calls" once a call was sent and the model stopped
     stop_reason: int | str | None = None
 
@@ -300,7 +308,8 @@ async def choice_deltas(
             finish_reason = o.finish_reason
             if finish_reason == "stop" and state.tools.calls and run.plan.mode != "named":
                 finish_reason = "tool_calls"
-            yield ChoiceDelta(out, o.index, False, deltas, new_lp, finish_reason, o.stop_reason)
+            new_ids, state.tokens = list(o.token_ids[state.tokens :]), len(o.token_ids)
+            yield ChoiceDelta(out, o.index, False, deltas, new_lp, new_ids, finish_reason, o.stop_reason)
 
 
 async def _events(
@@ -323,15 +332,23 @@ async def _events(
 
     last: RequestOutput | None = None
     async for d in choice_deltas(server, run, merged):
-        last = d.out
         if d.opening:
             first = {"index": d.index, "delta": {"role": "assistant", "content": run.echo}, "logprobs": None}
-            yield chunk([{**first, "finish_reason": None}])
+            opening = chunk([{**first, "finish_reason": None}])
+            if req.return_token_ids and last is None:  # the prompt's ids in the first chunk, as vLLM sends them
+                opening["prompt_token_ids"] = list(run.ids)
+            last = d.out
+            yield opening
             continue
+        last = d.out
         for j, delta in enumerate(d.deltas):
             last_one = j == len(d.deltas) - 1
-            lps = chat_logprobs(server.tokenizer, d.logprobs) if req.logprobs and j == 0 else None
+            lps = None
+            if req.logprobs and j == 0:
+                lps = chat_logprobs(server.tokenizer, d.logprobs, req.return_tokens_as_token_ids)
             choice = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+            if req.return_token_ids:
+                choice["token_ids"] = d.token_ids if j == 0 else []
             if last_one:
                 choice.update(finish_reason=d.finish_reason, stop_reason=d.stop_reason)
             yield chunk([choice])

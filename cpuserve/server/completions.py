@@ -86,7 +86,7 @@ async def _body(
             logprobs = None
             if req.logprobs is not None:
                 parts = [*_prompt_part(req, out, 0), (list(o.token_ids), list(o.logprobs or []), len(prompt_text))]
-                logprobs = completion_logprobs(tokenizer, parts)
+                logprobs = completion_logprobs(tokenizer, parts, req.return_tokens_as_token_ids)
             choice = {
                 "index": i * req.n + o.index,
                 "text": prompt_text + o.text,
@@ -94,6 +94,8 @@ async def _body(
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
             }
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(o.token_ids))
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs)
             choices.append(choice)
@@ -119,14 +121,14 @@ async def _events(
     merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[dict[str, Any]]:
     """One event per choice whose text, logprobs or finish changed; usage last if asked for."""
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, logprob entries sent)
+    sent: dict[int, tuple[int, int, int]] = {}  # choice index -> (chars, logprob entries, token ids) sent
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     async for i, out in merged:
         prompt_tokens[i] = len(out.prompt_token_ids)
         for o in out.outputs:
             idx = i * req.n + o.index
-            chars, nlp = sent.get(idx, (0, 0))
+            chars, nlp, nids = sent.get(idx, (0, 0, 0))
             prefix = ""
             if req.echo and idx not in sent:
                 prefix = await server.tokens.decode(out.prompt_token_ids, skip_special_tokens=False)
@@ -135,12 +137,14 @@ async def _events(
             completion_tokens[idx] = len(o.token_ids)
             if not (prefix or delta or o.finish_reason or new_lp):
                 continue
-            sent[idx] = (len(o.text), len(o.logprobs or []))
+            first = idx not in sent
+            sent[idx] = (len(o.text), len(o.logprobs or []), len(o.token_ids))
             logprobs = None
             if req.logprobs is not None:
                 echoed = _prompt_part(req, out, 0) if prefix else []
                 new_ids = list(o.token_ids)[nlp : nlp + len(new_lp)]
-                logprobs = completion_logprobs(server.tokenizer, [*echoed, (new_ids, new_lp, len(prefix) + chars)])
+                parts = [*echoed, (new_ids, new_lp, len(prefix) + chars)]
+                logprobs = completion_logprobs(server.tokenizer, parts, req.return_tokens_as_token_ids)
             choice = {
                 "index": idx,
                 "text": prefix + delta,
@@ -148,6 +152,10 @@ async def _events(
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
             }
+            if req.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk, then the new ids
+                choice["token_ids"] = list(o.token_ids[nids:])
+                if first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
             yield {
                 "id": rid,
                 "object": "text_completion",

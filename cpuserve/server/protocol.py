@@ -31,8 +31,6 @@ NOT_HONOURED = {
     "prompt_embeds": lambda v: v is not None,
     "priority": lambda v: v not in (None, 0),  # vLLM too refuses it without priority scheduling
     "cache_salt": lambda v: v is not None,
-    "return_tokens_as_token_ids": bool,
-    "return_token_ids": bool,
     "return_token_offsets": bool,
     "return_prompt_text": bool,
     "return_mm_kwargs": bool,
@@ -111,6 +109,8 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the reply (vLLM)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
 
     def sampling_params(
         self,
