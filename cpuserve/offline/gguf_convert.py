@@ -1,4 +1,5 @@
-"""`cpuserve convert`: a llama-, gemma3- or phi3-architecture GGUF becomes an HF directory (bf16 safetensors).
+"""`cpuserve convert`: a llama-, qwen2-, qwen3-, gemma3- or phi3-architecture GGUF becomes an HF directory
+(bf16 safetensors).
 
 llama.cpp stores each architecture its own way: llama q/k rows permuted for its rope layout (undone
 here), Gemma 3 norm weights with the 1 of `x * (1 + w)` added in (taken off here), and Gemma's
@@ -77,9 +78,32 @@ _PHI3_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+# Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm): llama's names and more; llama.cpp runs both with
+# rotate-half (neox) rope, so their q/k rows are stored as HF has them (nothing to undo).
+_QWEN2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    **{f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
+}
+_QWEN3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 # Global tensors that are hyper-parameters, not weights: they go into config.json.
 ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
-_ARCH_LAYER_NAMES = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+_ARCH_LAYER_NAMES = {
+    "llama": _LAYER_NAMES,
+    "qwen2": _QWEN2_LAYER_NAMES,
+    "qwen3": _QWEN3_LAYER_NAMES,
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+}
+# The llama-shaped architectures' transformers class and model_type.
+_LLAMA_LIKE = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_LAYER_NAMES)
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -181,7 +205,7 @@ def hf_config(
     arch = gguf_architecture(meta, source)
     if arch == "phi3":
         return _phi3_config(meta, tied, source, rope_factors or {})
-    return _gemma3_config(meta, tied, source) if arch == "gemma3" else _llama_config(meta, tied, source)
+    return _gemma3_config(meta, tied, source) if arch == "gemma3" else _llama_config(meta, tied, source, arch)
 
 
 def _phi3_config(meta: dict[str, Any], tied: bool, source: Path, factors: dict[str, list[float]]) -> dict[str, Any]:
@@ -239,34 +263,40 @@ def _phi3_config(meta: dict[str, Any], tied: bool, source: Path, factors: dict[s
     }
 
 
-def _llama_config(meta: dict[str, Any], tied: bool, source: Path) -> dict[str, Any]:
-    heads = int(_require(meta, "llama.attention.head_count", source))
-    hidden = int(_require(meta, "llama.embedding_length", source))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0))}
-    scaling = meta.get("llama.rope.scaling.type", "none")
+def _llama_config(meta: dict[str, Any], tied: bool, source: Path, arch: str = "llama") -> dict[str, Any]:
+    """The config of a llama-shaped GGUF (llama, qwen2, qwen3: the same keys under the arch's prefix)."""
+    heads = int(_require(meta, f"{arch}.attention.head_count", source))
+    hidden = int(_require(meta, f"{arch}.embedding_length", source))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
-        rope.update(rope_type="linear", factor=_f32(_require(meta, "llama.rope.scaling.factor", source)))
+        rope.update(rope_type="linear", factor=_f32(_require(meta, f"{arch}.rope.scaling.factor", source)))
     elif scaling not in ("none", None):
-        raise CheckpointError(f"{source}: llama.rope.scaling.type {scaling!r} is not supported")
+        raise CheckpointError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported")
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{source}: {arch}.attention.value_length differs from key_length ({head_dim})")
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    architecture, model_type = _LLAMA_LIKE[arch]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_require(meta, "llama.feed_forward_length", source)),
-        "num_hidden_layers": int(_require(meta, "llama.block_count", source)),
+        "intermediate_size": int(_require(meta, f"{arch}.feed_forward_length", source)),
+        "num_hidden_layers": int(_require(meta, f"{arch}.block_count", source)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
-        "rms_norm_eps": _f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
         "hidden_act": "silu",
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "tie_word_embeddings": tied,
-        "attention_bias": False,
+        "attention_bias": arch == "qwen2",  # Qwen2's q/k/v biases (its class always has them)
+        "use_sliding_window": False,
         "mlp_bias": False,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
