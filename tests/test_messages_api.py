@@ -216,3 +216,13 @@ def test_a_final_assistant_message_is_continued(client, chat):
     text, _, usage = chat_answer(chat, messages, 8, extra_body={"continue_final_message": True})
     assert m.content[0].text == text and m.usage.input_tokens == usage.prompt_tokens
     assert "Paris" in text
+
+
+def test_count_tokens_is_the_prompt_the_message_is_served_with(client, server):
+    """Anthropic's /v1/messages/count_tokens: the same prompt as the message's usage.input_tokens."""
+    kwargs = {"model": MODEL, "system": SYSTEM, "messages": QUESTION, "tools": TOOLS, "tool_choice": {"type": "any"}}
+    counted = client.messages.count_tokens(**kwargs)
+    served = client.messages.create(max_tokens=2, **kwargs, **GREEDY)
+    assert counted.input_tokens == served.usage.input_tokens > 0
+    r = httpx.post(f"{server}/v1/messages/count_tokens", json={"messages": []}, headers=ANTHROPIC_HEADERS, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"

@@ -29,7 +29,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from cpuserve.engine import InvalidRequest
-from cpuserve.server.chat import ChatRun, chat_request, join_text, prepare_chat
+from cpuserve.server.chat import ChatRun, chat_prompt, chat_request, join_text, prepare_chat
 from cpuserve.server.errors import ENGINE_ERRORS, APIError, api_error
 from cpuserve.server.protocol import ChatCompletionRequest
 from cpuserve.server.responses import Block, Merged, Outcome, block_stream, refuse_unhonoured, serve_run
@@ -103,6 +103,20 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request without max_tokens (Claude Code asks it
+    before sending a long conversation)."""
+
+    max_tokens: int = 1
+
+
+async def count_tokens(server: Server, req: CountTokensRequest) -> dict[str, int]:
+    """The prompt tokens the request would be served with: its chat prompt, tools included."""
+    chat = to_chat(req)
+    server.check_model(chat.model)
+    return {"input_tokens": len(await chat_prompt(server, chat))}
 
 
 def to_chat(req: MessagesRequest) -> ChatCompletionRequest:

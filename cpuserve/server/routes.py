@@ -13,7 +13,13 @@ from fastapi.responses import Response
 from cpuserve import __version__
 from cpuserve.engine import AsyncEngine
 from cpuserve.server.access_log import install_access_log
-from cpuserve.server.anthropic_messages import AnthropicErrors, MessagesRequest, create_message
+from cpuserve.server.anthropic_messages import (
+    AnthropicErrors,
+    CountTokensRequest,
+    MessagesRequest,
+    count_tokens,
+    create_message,
+)
 from cpuserve.server.auth import APIKeyAuth
 from cpuserve.server.body_limit import BodySizeLimit
 from cpuserve.server.chat import chat_prompt, create_chat_completion
@@ -98,8 +104,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def messages(request: Request, req: MessagesRequest) -> Response:
         return await create_message(server, request, req)
 
+    async def messages_count_tokens(req: CountTokensRequest) -> dict:
+        return await count_tokens(server, req)
+
     # Its errors in Anthropic's shape for Anthropic clients (AnthropicErrors).
     app.router.add_api_route("/v1/messages", messages, methods=["POST"], route_class_override=AnthropicErrors)
+    app.router.add_api_route(
+        "/v1/messages/count_tokens", messages_count_tokens, methods=["POST"], route_class_override=AnthropicErrors
+    )
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
