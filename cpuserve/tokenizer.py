@@ -88,7 +88,7 @@ def _developer_as_system(messages: list[dict[str, Any]], source: str) -> list[di
     systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
     if systems == [0]:
         return converted
-    text = "\n\n".join(_joined(converted[i]).get("content") or "" for i in systems)
+    text = "\n\n".join(t for i in systems if (t := _joined(converted[i]).get("content")))
     return [{"role": "system", "content": text}, *(m for m in converted if m.get("role") != "system")]
 
 
@@ -96,7 +96,9 @@ def _continued(rendered: str, final: dict[str, Any]) -> str:
     """The rendered chat cut right after the final message's text (continue_final_message), so the
     model goes on writing that message instead of closing it: the text's last occurrence, trailing
     whitespace kept only where the template kept it."""
-    text = _joined(final).get("content")
+    text = final.get("content")
+    if isinstance(text, list):  # parts: the last text part is what the model continues (transformers)
+        text = next((p.get("text") for p in reversed(text) if isinstance(p, dict) and p.get("type") == "text"), None)
     if not isinstance(text, str) or not text.strip():
         raise ChatTemplateError("continue_final_message: the final message has no text to continue")
     at = rendered.rfind(text.strip())

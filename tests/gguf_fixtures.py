@@ -203,3 +203,22 @@ def slow_dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.nda
             lo, hi = [d * ((b & 15) - 8) for b in qs], [d * ((b >> 4) - 8) for b in qs]
         out.extend(lo + hi)
     return np.array(out, dtype=np.float32).reshape(shape)
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int, scale: float = 0.02) -> np.ndarray:
+    """Random bytes for every block of an [n, k] tensor of GGUF type `kind`, with the fp16 fields set
+    to sane scales (random bytes there would be NaNs and infinities, which no real file holds): the
+    scales in [scale / 20, scale * 1.05), a Q4_1 / Q5_1 minimum in (-5 scale, 0]."""
+    from cpuserve.quant.gguf_blocks import SCHEMES
+
+    s = SCHEMES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = n * k // s.block_weights
+    raw = rng.integers(0, 256, size=(blocks, s.block_bytes), dtype=np.uint8)
+    fp16_fields = {"Q6_K": [208]}.get(kind, [0, 2] if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
+    for at in fp16_fields:
+        values = (rng.random(blocks) * scale + scale / 20).astype(np.float16)
+        if kind in ("Q4_1", "Q5_1") and at == 2:
+            values = (-rng.random(blocks) * 5 * scale).astype(np.float16)  # the minimum: a negative fp16
+        raw[:, at : at + 2] = values.view(np.uint8).reshape(blocks, 2)
+    return raw

@@ -19,6 +19,7 @@ from cpuserve.quant.linear import Linear
 from cpuserve.quant.methods import IntWeightMethod, KernelChoice
 from cpuserve.quant.reference import reference_forward
 from cpuserve.quant.scale_codes import activation_block
+from tests.gguf_fixtures import random_blocks
 
 TYPES = sorted(SCHEMES)
 # Kernel vs the integer reference of the same scheme: the float order of the group sums only.
@@ -30,26 +31,10 @@ ACT_BUDGET = 0.08
 SHAPES = [(7, 256), (40, 512), (130, 768), (48, 512)]
 
 
-def _random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random bytes for every block, with the fp16 fields set to sane scales (random bytes there
-    would be NaNs and infinities, which no real file holds)."""
-    s = SCHEMES[kind]
-    rng = np.random.default_rng(seed)
-    blocks = n * k // s.block_weights
-    raw = rng.integers(0, 256, size=(blocks, s.block_bytes), dtype=np.uint8)
-    fp16_fields = {"Q6_K": [208]}.get(kind, [0, 2] if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
-    for at in fp16_fields:
-        scale = (rng.random(blocks) * 0.02 + 0.001).astype(np.float16)
-        if kind in ("Q4_1", "Q5_1") and at == 2:
-            scale = (-rng.random(blocks) * 0.1).astype(np.float16)  # the minimum: a negative fp16
-        raw[:, at : at + 2] = scale.view(np.uint8).reshape(blocks, 2)
-    return raw
-
-
 @pytest.mark.parametrize("kind", TYPES)
 def test_decoded_blocks_equal_gguf_py_dequantize(kind):
     n, k = 9, 512
-    raw = _random_blocks(kind, n, k, seed=len(kind))
+    raw = random_blocks(kind, n, k, seed=len(kind))
     d = decode(kind, raw, n, k, "test")
     want = gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType[kind])
     got = d.dequantized()
@@ -67,7 +52,7 @@ def test_decoding_in_slices_of_blocks_is_decoding_whole(kind, monkeypatch):
     from cpuserve.quant import gguf_blocks
 
     n, k = 9, 768
-    raw = _random_blocks(kind, n, k, seed=7)
+    raw = random_blocks(kind, n, k, seed=7)
     whole = decode(kind, raw, n, k, "test")
     monkeypatch.setattr(gguf_blocks, "DECODE_CHUNK_WEIGHTS", 5 * SCHEMES[kind].block_weights)
     sliced = decode(kind, raw, n, k, "test")
@@ -78,7 +63,7 @@ def test_decoding_in_slices_of_blocks_is_decoding_whole(kind, monkeypatch):
 
 
 def test_a_wrong_byte_count_names_the_tensor():
-    raw = _random_blocks("Q4_0", 4, 64, seed=1)[:-1]
+    raw = random_blocks("Q4_0", 4, 64, seed=1)[:-1]
     with pytest.raises(CheckpointError, match=r"blk\.0\.attn_q\.weight.*bytes of Q4_0 data"):
         decode("Q4_0", raw, 4, 64, "x.gguf: tensor 'blk.0.attn_q.weight'")
 
@@ -113,7 +98,7 @@ def _checkpoint_parts(method: IntWeightMethod, d, n: int, k: int) -> dict[str, t
 def _linear(kind: str, n: int, k: int, seed: int, kernel: KernelChoice | None):
     from cpuserve.model.gguf_source import linear_scheme
 
-    d = decode(kind, _random_blocks(kind, n, k, seed), n, k, "test")
+    d = decode(kind, random_blocks(kind, n, k, seed), n, k, "test")
     method = IntWeightMethod(linear_scheme(kind), torch.float32)
     with torch.device("meta"):
         layer = Linear(k, [n], False, method)
@@ -267,7 +252,7 @@ def test_a_quantized_embedding_gives_the_float_tables_rows_exactly(kind, dtype):
     from cpuserve.model.quantized_embedding import QuantizedEmbedding
 
     n, k = 70, 512
-    d = decode(kind, _random_blocks(kind, n, k, seed=11), n, k, "t")
+    d = decode(kind, random_blocks(kind, n, k, seed=11), n, k, "t")
     table = torch.from_numpy(d.dequantized()).to(dtype)
     ids = torch.tensor([[0, 69, 5, 5], [33, 1, 68, 0]])
     bits = SCHEMES[kind].bits if not SCHEMES[kind].int6 else 6
@@ -284,7 +269,7 @@ def test_a_quantized_embedding_gives_the_float_tables_rows_exactly(kind, dtype):
         groups = n * k // SCHEMES[kind].group
         if embedding.coding is None:  # fp32 scales (and offsets)
             assert held == values + groups * 4 * (2 if d.offsets is not None else 1)
-        else:  # a code a group (and an offset code), fp32 factors per super-block
+        else:  # a code a group (and an offset code), fp16 factors per super-block
             assert held == values + sum(a.nbytes for a in vars(d.codes).values() if a is not None)
             assert held < values + groups * 2 * (2 if d.offsets is not None else 1) + 1
 

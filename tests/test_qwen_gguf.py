@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from cpuserve.model.loader import load_model
 from cpuserve.model.resolve import resolve_model
 from cpuserve.offline.gguf_convert import convert_gguf
 from cpuserve.quant.linear import Linear
-from tests.gguf_fixtures import add_tiny_tokenizer, hf_decoder_writer, store_tensor, tiny_vocab
+from tests.gguf_fixtures import add_tiny_tokenizer, hf_decoder_writer, random_blocks, store_tensor, tiny_vocab
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +51,7 @@ def _reference(arch: str, vocab: int, head_dim: int | None = None) -> torch.nn.M
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=128,
+        intermediate_size=256,  # a whole K-quant super-block for ffn_down's rows
         vocab_size=vocab,
         max_position_embeddings=256,
         rope_theta=THETA,
@@ -74,7 +75,16 @@ def _reference(arch: str, vocab: int, head_dim: int | None = None) -> torch.nn.M
 
 
 def _write(model: torch.nn.Module, arch: str, path: Path, types: dict[str, Q]) -> None:
-    """As llama.cpp's converter writes the model; `types`: GGUF type by layer tensor name (F32 else)."""
+    """As llama.cpp's converter writes the model; `types`: GGUF type by layer tensor name (F32 else).
+    gguf-py cannot quantize to the K-quants: a tensor of a K-quant type holds random blocks instead
+    (of the same shape; its test compares with the same file dequantized)."""
+
+    def store(name: str, w: np.ndarray, qtype: Q = Q.F32) -> None:
+        if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):
+            writer.add_tensor(name, random_blocks(qtype.name, *w.shape, seed=len(name), scale=0.002), raw_dtype=qtype)
+        else:
+            store_tensor(writer, name, w, qtype)
+
     cfg = model.config
     writer = hf_decoder_writer(path, arch, cfg)
     writer.add_rope_freq_base(THETA)
@@ -84,13 +94,13 @@ def _write(model: torch.nn.Module, arch: str, path: Path, types: dict[str, Q]) -
     writer.add_value_length(head_dim)
     add_tiny_tokenizer(writer)
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    store_tensor(writer, "token_embd.weight", state["model.embed_tokens.weight"])
-    store_tensor(writer, "output_norm.weight", state["model.norm.weight"])
-    store_tensor(writer, "output.weight", state["lm_head.weight"], types.get("output.weight", Q.F32))
+    store("token_embd.weight", state["model.embed_tokens.weight"])
+    store("output_norm.weight", state["model.norm.weight"])
+    store("output.weight", state["lm_head.weight"], types.get("output.weight", Q.F32))
     for n in range(cfg.num_hidden_layers):
         for hf, name in _LAYER.items():
             if f"model.layers.{n}.{hf}" in state:
-                store_tensor(writer, f"blk.{n}.{name}", state[f"model.layers.{n}.{hf}"], types.get(name, Q.F32))
+                store(f"blk.{n}.{name}", state[f"model.layers.{n}.{hf}"], types.get(name, Q.F32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -137,11 +147,11 @@ def test_quantized_qwen_tensors_run_on_the_kernels(arch, tmp_path):
     types = {
         "attn_q.weight": Q.Q8_0,
         "attn_k.weight": Q.Q8_0,
-        "attn_v.weight": Q.Q6_K if ref.config.hidden_size % 256 == 0 else Q.Q8_0,
+        "attn_v.weight": Q.Q8_0,
         "attn_output.weight": Q.Q4_0,
         "ffn_gate.weight": Q.Q4_1,
         "ffn_up.weight": Q.Q4_1,
-        "ffn_down.weight": Q.Q5_0,
+        "ffn_down.weight": Q.Q6_K if arch == "qwen3" else Q.Q4_K,  # K-quants: inputs of 256 (hidden is 64)
         "output.weight": Q.Q8_0,
     }
     _write(ref, arch, path, types)

@@ -219,7 +219,9 @@ def test_tokenize_detokenize_version_metrics(server, tokenizer):
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
-        "vllm:prefix_cache_hit_rate",
+        "cpuserve:prefix_cache_hit_rate",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:prompt_tokens_total",
@@ -409,7 +411,8 @@ def test_completion_logprobs_list_the_sampled_token(client):
         ({"cache_salt": "tenant-a"}, "cache_salt"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"seed": 2**70}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
@@ -481,3 +484,14 @@ def test_return_token_ids_and_tokens_named_by_id(client, tokenizer):
     ]
     assert streamed[0]["prompt_token_ids"] == tokenizer.encode(prompt)
     assert [t for e in streamed for t in e["token_ids"]] == comp.model_extra["token_ids"]
+
+
+def test_neutral_vllm_values_and_flags_given_as_template_kwargs(server, tokenizer):
+    ok = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    for extra in ({"stream_options": {}}, {"watermarking": False, "priority": 0, "bad_words": []}):
+        status, body = _post(server, "/v1/chat/completions", {**ok, **extra})
+        assert status == 200, (extra, body)
+    # the template's flags given in chat_template_kwargs, as vLLM merges them (a 500 before)
+    kwargs = {"add_generation_prompt": False}
+    status, tok = _post(server, "/tokenize", {"model": MODEL, "messages": QUESTION, "chat_template_kwargs": kwargs})
+    assert status == 200 and tok["tokens"] == tokenizer.encode_chat(QUESTION, add_generation_prompt=False)

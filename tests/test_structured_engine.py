@@ -296,14 +296,33 @@ def test_structural_tag_holds_each_tagged_segment_to_its_schema(engine, tokenize
         (r"[]\d]x", "[]0-9]x"),  # a class's first ']' is a literal
         (r"[^]\d]", "[^]0-9]"),
         (r"\\d\.\p{L}[\Da]", r"\\d\.\p{L}[\Da]"),  # escapes kept; a negated shorthand inside a class left as is
+        (r"[\w-.]+", r"[0-9A-Za-z_\-.]+"),  # the dash after it stays a literal, not a range from '_'
+        (r"[\d-]", "[0-9-]"),
     ],
 )
 def test_regex_shorthand_classes_are_ascii(pattern, rewritten):
     from cpuserve.engine.structured.regex_classes import ascii_classes
 
     assert ascii_classes(pattern) == rewritten
-    if "\\p" in pattern:
-        return  # Python's re has no \p{...}
+    if "\\p" in pattern or pattern.startswith("[\\w-"):
+        return  # Python's re has no \p{...}, and refuses a dash after a class shorthand
     probe = "0123456789 \t\nabcXYZ_-]\u0663\u00e9"  # Arabic-Indic three and é: outside every ASCII class
     for ch in probe:  # the same characters match as under Python's ASCII reading of the original
         assert bool(re.fullmatch(rewritten, ch * 8)) == bool(re.fullmatch(pattern, ch * 8, re.ASCII)), (pattern, ch)
+
+
+def test_json_schema_patterns_are_read_as_ascii_too():
+    from cpuserve.engine.structured.regex_classes import ascii_schema_patterns
+
+    schema = {
+        "type": "object",
+        "properties": {"phone": {"type": "string", "pattern": r"^\d{3}-\d{4}$"}, "n": {"enum": [r"\d"]}},
+        "patternProperties": {r"^\w+$": {"type": "string", "pattern": r"\s"}},
+        "items": [{"pattern": r"[\d]"}],
+    }
+    assert ascii_schema_patterns(schema) == {
+        "type": "object",
+        "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}, "n": {"enum": [r"\d"]}},
+        "patternProperties": {"^[0-9A-Za-z_]+$": {"type": "string", "pattern": r"[ \t\n\r\f\v]"}},
+        "items": [{"pattern": "[0-9]"}],
+    }

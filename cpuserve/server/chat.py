@@ -48,6 +48,15 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
             msg["tool_calls"] = [_decoded_arguments(call) for call in msg["tool_calls"]]
         messages.append(msg)
     kwargs = dict(req.chat_template_kwargs or {})
+    flags = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message}
+    for name in flags:  # also taken from chat_template_kwargs, as vLLM merges them, unless given as fields
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if name not in req.model_fields_set:
+                flags[name] = bool(value)
+    taken = sorted(set(kwargs) & {"messages", "bos_token", "eos_token", "template"})
+    if taken:
+        raise InvalidRequest("chat_template_kwargs", f"{taken[0]!r} is the server's to give the template")
     if req.tools:
         kwargs.setdefault("tools", req.tools)
     if req.documents is not None:  # for templates that take retrieved documents, as vLLM passes them
@@ -55,15 +64,16 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     if req.reasoning_effort is not None:  # as vLLM gives it to the template, thinking on unless "none"
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
-    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+    generation, continuing = flags["add_generation_prompt"], flags["continue_final_message"]
+    if continuing and generation and "add_generation_prompt" in req.model_fields_set:
         raise InvalidRequest("continue_final_message", "cannot be combined with add_generation_prompt true")
     try:
         return await server.tokens.encode_chat(
             messages,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            add_generation_prompt=generation and not continuing,
             template=template,
             template_kwargs=kwargs,
-            continue_final_message=req.continue_final_message,
+            continue_final_message=continuing,
             add_special_tokens=req.add_special_tokens,
         )
     except ChatTemplateError as exc:
@@ -108,12 +118,13 @@ def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOutputs
     return constraint or plan.constraint
 
 
-def _reasoning(server: Server, ids: list[int]) -> tuple[ReasoningParser | None, bool]:
+def _reasoning(server: Server, ids: list[int], continuing: bool = False) -> tuple[ReasoningParser | None, bool]:
     """This request's reasoning parser and whether its output begins inside the reasoning, from
     where the rendered prompt leaves it (as vLLM decides): a prompt that already closed the
     reasoning (a template with thinking off writes `<think></think>`) has none to read; one that
     leaves a `<think>` open starts inside it; one with neither starts inside it only for a parser
-    whose models always think (deepseek_r1)."""
+    whose models always think (deepseek_r1), and not when it continues a final message (which the
+    model was writing as its answer)."""
     r = server.reasoning
     if r is None:
         return None, False
@@ -121,7 +132,7 @@ def _reasoning(server: Server, ids: list[int]) -> tuple[ReasoningParser | None, 
     opened, closed = tail.rfind(r.start), tail.rfind(r.end)
     if closed > opened:
         return None, False
-    return r, opened > closed or r.implicit_start
+    return r, opened > closed or (r.implicit_start and not continuing)
 
 
 @dataclasses.dataclass
@@ -157,7 +168,7 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     constraint = _constraint(req, plan)
     server.check_capacity(1)
     ids = req.truncated(await chat_prompt(server, req), server.engine.max_model_len)
-    reasoning, in_reasoning = _reasoning(server, ids)
+    reasoning, in_reasoning = _reasoning(server, ids, req.continue_final_message)
     if constraint is not None and reasoning is not None and in_reasoning:  # the answer, after the thinking
         constraint = dataclasses.replace(constraint, after=reasoning.end)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -1,10 +1,13 @@
 """Prometheus metrics, in a registry of the server's own (several apps may live in one test process).
-Named as vLLM names them (`vllm:` prefix, same labels), so dashboards and autoscaler rules written
-for a vLLM server read this one unchanged."""
+Named as vLLM names them (`vllm:` prefix, its `model_name` label), so dashboards and autoscaler rules
+written for a vLLM server read this one; the hit-rate gauge vLLM does not have keeps cpuserve's prefix."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from cpuserve.engine import EngineStats
 
@@ -22,7 +25,9 @@ class Metrics:
         self.running = gauge("vllm:num_requests_running", "Sequences in the running batch")
         self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use")
-        self.prefix_hit_rate = gauge("vllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self.prefix_hit_rate = gauge("cpuserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self._stats: EngineStats | None = None
+        self.registry.register(_PrefixCounters(self, labels))  # vLLM's counters, from the engine's totals
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens received", list(labels), registry=self.registry
         ).labels(**labels)
@@ -54,4 +59,27 @@ class Metrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        self._stats = stats
         return generate_latest(self.registry)
+
+
+class _PrefixCounters:
+    """vllm:prefix_cache_queries / _hits: prompt tokens looked up in the prefix cache and found, the
+    engine's running totals (a collector: prometheus_client's Counter cannot be set to a total)."""
+
+    def __init__(self, metrics: Metrics, labels: dict[str, str]) -> None:
+        self.metrics, self.labels = metrics, labels
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.metrics._stats
+        for name, doc, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats and stats.prefix_queries,
+            ),
+            ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache", stats and stats.prefix_hits),
+        ):
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), float(value or 0))
+            yield family

@@ -25,8 +25,8 @@ NOT_HONOURED = {
     "length_penalty": lambda v: v not in (None, 1, 1.0),
     "bad_words": bool,
     "logprob_token_ids": bool,
-    "watermarking": lambda v: v is not None,
-    "repetition_detection": lambda v: v is not None,
+    "watermarking": bool,
+    "repetition_detection": bool,
     "thinking_token_budget": lambda v: v is not None,
     "prompt_embeds": lambda v: v is not None,
     "priority": lambda v: v not in (None, 0),  # vLLM too refuses it without priority scheduling
@@ -36,8 +36,8 @@ NOT_HONOURED = {
     "return_mm_kwargs": bool,
     "mm_processor_kwargs": bool,
     "media_io_kwargs": bool,
-    "kv_transfer_params": lambda v: v is not None,
-    "ec_transfer_params": lambda v: v is not None,
+    "kv_transfer_params": bool,
+    "ec_transfer_params": bool,
     "vllm_xargs": bool,
 }
 
@@ -59,14 +59,15 @@ class SamplingFields(BaseModel):
         best_of = getattr(self, "best_of", None)
         if best_of is not None and best_of != getattr(self, "n", 1):
             raise InvalidRequest("best_of", "only best_of equal to n is supported")
-        if self.stream_options is not None and not self.stream:
+        options = self.stream_options
+        if options is not None and (options.include_usage or options.continuous_usage_stats) and not self.stream:
             raise InvalidRequest("stream_options", "can only be set when stream is true")
         if self.truncation_side not in (None, "left", "right"):
             raise InvalidRequest("truncation_side", "must be 'left' or 'right'")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
             raise InvalidRequest("truncate_prompt_tokens", "must be -1 (the model's limit) or at least 0")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise InvalidRequest("seed", "must fit in 64 bits")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InvalidRequest("seed", "must fit in a signed 64-bit integer, as vLLM takes it")
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt cut to truncate_prompt_tokens (-1: the model's limit less one token, to leave
@@ -74,6 +75,8 @@ class SamplingFields(BaseModel):
         limit = self.truncate_prompt_tokens
         if limit is None:
             return ids
+        if limit < -1:
+            raise InvalidRequest("truncate_prompt_tokens", "must be -1 (the model's limit) or at least 0")
         limit = max_model_len - 1 if limit == -1 else limit
         if limit > max_model_len:
             raise InvalidRequest(

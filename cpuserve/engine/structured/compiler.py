@@ -21,7 +21,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from cpuserve.engine.sampling_params import InvalidRequest
 from cpuserve.engine.structured.matcher import GrammarState
-from cpuserve.engine.structured.regex_classes import ascii_classes
+from cpuserve.engine.structured.regex_classes import ascii_classes, ascii_schema_patterns
 from cpuserve.engine.structured.spec import StructuredOutputs
 
 CACHE_SIZE = 256
@@ -90,7 +90,8 @@ class GrammarCompiler:
         """llguidance's grammar for a constraint; malformed input raises InvalidRequest."""
         try:
             if spec.kind == "json":
-                return LLMatcher.grammar_from_json_schema(str(spec.value), defaults=JSON_OPTIONS)
+                schema = json.dumps(ascii_schema_patterns(json.loads(str(spec.value))))
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             if spec.kind == "regex":
                 return LLMatcher.grammar_from_regex(ascii_classes(str(spec.value)))
             if spec.kind == "choice":

@@ -1,5 +1,5 @@
-"""A regex constraint's shorthand classes (\\d, \\w, \\s) read as ASCII, as vLLM's default backend
-(xgrammar) and most clients' expectations read them.
+"""A regex constraint's (and a JSON schema's `pattern`s') shorthand classes (\\d, \\w, \\s) read as
+ASCII, as vLLM's default backend (xgrammar) and most clients' expectations read them.
 
 llguidance takes them as Unicode classes: `\\d{3}` then admits any of Unicode's digits, and a small
 model asked for a phone number wrote mathematical digits (U+1FBF8) that no client would accept.
@@ -24,6 +24,9 @@ def ascii_classes(pattern: str) -> str:
             e = pattern[i + 1]
             if e in _ASCII:
                 out.append(_ASCII[e] if in_class else f"[{_ASCII[e]}]")
+                if in_class and pattern.startswith("-", i + 2) and not pattern.startswith("-]", i + 2):
+                    out.append("\\-")  # `[\w-.]`: a literal dash, not a range from the class's last character
+                    i += 1
             elif e.lower() in _ASCII and not in_class:
                 out.append(f"[^{_ASCII[e.lower()]}]")
             else:
@@ -41,3 +44,21 @@ def ascii_classes(pattern: str) -> str:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+def ascii_schema_patterns(schema: object) -> object:
+    """A JSON schema with every `pattern` (and `patternProperties` key) read as ascii_classes reads a
+    regex constraint, as xgrammar reads them."""
+    if isinstance(schema, list):
+        return [ascii_schema_patterns(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            out[key] = ascii_classes(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {ascii_classes(k): ascii_schema_patterns(v) for k, v in value.items()}
+        else:
+            out[key] = ascii_schema_patterns(value)
+    return out

@@ -204,7 +204,8 @@ void check_shape(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, in
 
 // The bits of values [N, groups] in panel order (panel variants) or as they are.
 // Super-block factors as a K-quant file holds them (fp16: GGUF's d, and -dmin for the offsets):
-// random normal halves of 2^lo .. 2^hi times (1 + m / 1024), and their exact fp32 values.
+// random halves of 2^lo .. 2^hi times (1 + m / 1024), those below 2^-14 subnormal (m / 1024 times
+// 2^-14, as a small dmin is), and their exact fp32 values.
 struct Supers {
   std::vector<cpk::F16> half;
   std::vector<float> value;
@@ -212,7 +213,7 @@ struct Supers {
 Supers random_supers(Rng& rng, int64_t count, int lo, int hi, bool negative) {
   Supers s{std::vector<cpk::F16>(count), std::vector<float>(count)};
   for (int64_t i = 0; i < count; ++i) {
-    const int exponent = int(rng.range(lo, hi)) + 15, mantissa = int(rng.range(0, 1023));
+    const int exponent = std::max(0, int(rng.range(lo, hi)) + 15), mantissa = int(rng.range(1, 1023));
     s.half[i].bits = uint16_t((negative ? 0x8000 : 0) | (exponent << 10) | mantissa);
     s.value[i] = cpk::to_float(s.half[i]);
   }
@@ -297,7 +298,7 @@ void check_grouped(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, 
     for (auto& e : w) e = bits == 8 ? int8_t(rng.range(-128, 127)) : int8_t(rng.range(-8, 7));
     const int64_t per = groups % 8 == 0 ? 8 : groups % 2 == 0 ? 2 : 1, supers = groups / per;
     std::vector<uint8_t> sc(n * groups), mc(n * groups);
-    const Supers ssup_h = random_supers(rng, n * supers, -13, -11, false), osup_h = random_supers(rng, n * supers, -14, -14, true);
+    const Supers ssup_h = random_supers(rng, n * supers, -13, -11, false), osup_h = random_supers(rng, n * supers, -16, -14, true);
     const std::vector<float>&ssup = ssup_h.value, &osup = osup_h.value;
     std::vector<float> s(n * groups), off(n * groups);
     for (int64_t i = 0; i < n * groups; ++i) {
@@ -381,7 +382,7 @@ void check_int6(const Variant& v, Rng& rng, int64_t m, int64_t n, int64_t k, int
   const bool q6k = g == 16, offsets = !q6k;
   const int64_t per = groups % (q6k ? 16 : 8) == 0 ? (q6k ? 16 : 8) : 1, supers = groups / per;
   std::vector<uint8_t> sc(n * groups), mc(n * groups);
-  const Supers ssup_h = random_supers(rng, n * supers, -13, -11, false), osup_h = random_supers(rng, n * supers, -14, -14, true);
+  const Supers ssup_h = random_supers(rng, n * supers, -13, -11, false), osup_h = random_supers(rng, n * supers, -16, -14, true);
   const std::vector<float>&ssup = ssup_h.value, &osup = osup_h.value;
   std::vector<float> s(n * groups), off(n * groups, 0.f);
   for (int64_t i = 0; i < n * groups; ++i) {
