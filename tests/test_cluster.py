@@ -219,7 +219,7 @@ def test_replica_killed_under_load(cluster: tuple[str, subprocess.Popen]) -> Non
                 client.post(
                     base + "/v1/chat/completions",
                     headers=AUTH,
-                    json={**_stream_chat(f"Count {i}.", PLAIN_TOKENS), "stream": False},
+                    json={**_stream_chat(f"Count {i}.", PLAIN_TOKENS), "stream": False, "stream_options": None},
                 )
                 for i in range(8)
             ]
