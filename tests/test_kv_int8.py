@@ -17,9 +17,7 @@ from cpuserve.engine.kv_int8 import dequantize_kv, quantize_kv
 from cpuserve.engine.llm import run_to_completion
 from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
 from cpuserve.engine.sampling_params import SamplingParams
-from cpuserve.errors import ConfigError
 from cpuserve.kernels import selected_variant
-from cpuserve.kv_cache_dtype import is_int8
 from cpuserve.model import ops
 from cpuserve.model.loader import load_model
 from cpuserve.tokenizer import GenerationDefaults, Tokenizer
@@ -53,12 +51,6 @@ def test_rows_round_to_the_nearest_step_of_their_own_scale():
     assert q.abs().amax(-1)[top > 0].eq(127).all()  # each row's largest value takes the full range
     back = dequantize_kv(q, s, torch.float32)
     assert ((back - x.bfloat16().float()).abs() <= s.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
-
-
-def test_cache_dtype_names():
-    assert [is_int8(n) for n in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2", "auto", "bfloat16")] == [True] * 4 + [False] * 2
-    with pytest.raises(ConfigError, match="--kv-cache-dtype fp4: one of auto"):
-        is_int8("fp4")
 
 
 @pytest.mark.parametrize(
@@ -181,11 +173,6 @@ def test_an_int8_cache_holds_about_twice_a_bf16_caches_tokens(smol_dir, monkeypa
     assert cache.k[0].dtype == torch.int8 and cache.k_scale is not None and len(cache.k_scale) == spec.num_layers
 
 
-def test_a_bf16_cache_for_a_float32_model_is_refused(smol_dir):
-    with pytest.raises(ConfigError, match="--kv-cache-dtype bf16: the KV cache holds the model's dtype, float32"):
-        _engine(load_model(smol_dir, "float32"), smol_dir, "bf16")
-
-
 def test_serve_checks_the_flag_without_importing_torch():
     """serve validates flags before its thread plan, which must come before torch is imported."""
     code = (
@@ -210,6 +197,6 @@ def test_doctor_reports_the_int8_cache_and_its_capacity(smol_dir):
     assert tokens[1] == pytest.approx(tokens[0] * 128 / 68, rel=0.01)
     bad = build_report(machine, env, smol_dir, "bfloat16", kv_cache_dtype="fp4")
     assert bad["problems"] == [
-        "--kv-cache-dtype fp4: one of auto (the model's dtype), bfloat16, int8 "
+        "--kv-cache-dtype fp4: one of auto (the model's dtype), bfloat16, float16, int8 "
         "(also spelled fp8, fp8_e4m3, fp8_e5m2: int8 rows with per-row scales)"
     ]

@@ -1,6 +1,6 @@
 """`cpuserve bench engine`: aggregate decode throughput at several concurrencies, and the cost of
 logprobs=20, measured in one run (medians of repeats, interleaved so drift hits both sides), for one
-or several KV cache dtypes side by side."""
+or several KV cache dtypes side by side (one model, an engine and cache per dtype, runs interleaved)."""
 
 from __future__ import annotations
 
@@ -55,29 +55,37 @@ def decode_run(
     return DecodeRun(concurrency, tokens, decode_s, prefill_s)
 
 
-def run_engine_bench(
-    engine: LLMEngine, concurrencies: list[int], new_tokens: int, prompt_words: int, repeats: int
-) -> dict:
-    decode_run(engine, 1, 4, prompt_words, None)  # warm-up
-    results = {}
+def run_engine_benches(
+    engines: dict[str, LLMEngine], concurrencies: list[int], new_tokens: int, prompt_words: int, repeats: int
+) -> dict[str, dict]:
+    """Each engine's decode tok/s per concurrency and logprobs=20 cost, its runs interleaved with the
+    others' (A B C, then C B A, ...) so that the host's drift falls on every engine alike."""
+    names = list(engines)
+    for engine in engines.values():
+        decode_run(engine, 1, 4, prompt_words, None)  # warm-up
+
+    def interleaved(concurrency: int, logprobs: int | None) -> dict[str, list[float]]:
+        runs: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(repeats):
+            for name in names if r % 2 == 0 else names[::-1]:
+                runs[name].append(decode_run(engines[name], concurrency, new_tokens, prompt_words, logprobs).tok_s)
+        return runs
+
+    results: dict[str, dict] = {name: {"decode_tok_s": {}} for name in names}
     for c in concurrencies:
-        runs = [decode_run(engine, c, new_tokens, prompt_words, None) for _ in range(repeats)]
-        results[c] = statistics.median(r.tok_s for r in runs)
+        for name, runs in interleaved(c, None).items():
+            results[name]["decode_tok_s"][c] = statistics.median(runs)
     c = max(1, min(8, max(concurrencies)))
-    plain, with_lp = [], []
-    for _ in range(repeats):
-        plain.append(decode_run(engine, c, new_tokens, prompt_words, None).tok_s)
-        with_lp.append(decode_run(engine, c, new_tokens, prompt_words, 20).tok_s)
-    plain_m, lp_m = statistics.median(plain), statistics.median(with_lp)
-    return {
-        "decode_tok_s": results,
-        "logprobs": {
+    plain, with_lp = interleaved(c, None), interleaved(c, 20)
+    for name in names:
+        plain_m, lp_m = statistics.median(plain[name]), statistics.median(with_lp[name])
+        results[name]["logprobs"] = {
             "concurrency": c,
             "none_tok_s": plain_m,
             "logprobs20_tok_s": lp_m,
             "cost_pct": 100.0 * (plain_m - lp_m) / plain_m if plain_m else 0.0,
-        },
-    }
+        }
+    return results
 
 
 def run_per_kv_cache_dtype(
@@ -90,23 +98,26 @@ def run_per_kv_cache_dtype(
     prompt_words: int,
     repeats: int,
 ) -> tuple[dict[str, dict], str]:
-    """One engine per KV cache dtype, built and freed in turn (one model and cache in memory at a time);
-    the caller checks every name first (cli/bench.py) so a typo in the last one costs no minutes."""
+    """One engine per KV cache dtype over one loaded model (each with its own cache, committed only as
+    it fills), measured interleaved; the caller checks every name first (cli/bench.py) so a typo in
+    the last one costs no minutes."""
     from cpuserve.engine import EngineConfig
 
-    results, model_dtype = {}, ""
+    engines: dict[str, LLMEngine] = {}
+    model = None
     for kv in kv_cache_dtypes:
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max(concurrencies), kv_cache_dtype=kv)
-        engine = LLMEngine.from_model_dir(model_dir, config, dtype)
-        results[kv] = run_engine_bench(engine, concurrencies, new_tokens, prompt_words, repeats)
-        model_dtype = str(engine.model.dtype).removeprefix("torch.")
-        del engine
-        gc.collect()
+        engines[kv] = LLMEngine.from_model_dir(model_dir, config, dtype, model=model)
+        model = engines[kv].model
+    results = run_engine_benches(engines, concurrencies, new_tokens, prompt_words, repeats)
+    model_dtype = str(next(iter(engines.values())).model.dtype).removeprefix("torch.")
+    engines.clear()
+    gc.collect()
     return results, model_dtype
 
 
 def render(model: str, dtype: str, threads: int, results: dict[str, dict]) -> str:
-    """One column per KV cache dtype (results: dtype -> run_engine_bench's result), the first the baseline."""
+    """One column per KV cache dtype (results: dtype -> run_engine_benches' result), the first the baseline."""
     kvs = list(results)
     first = results[kvs[0]]["decode_tok_s"]
     head = " | ".join(f"KV {kv} tok/s" for kv in kvs) + "".join(f" | {kv} / {kvs[0]}" for kv in kvs[1:])

@@ -21,7 +21,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     doc.add_argument("--max-model-len", type=int, default=None)
     doc.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
     doc.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
-    doc.add_argument("--kv-cache-dtype", default="auto", help="as serve's: auto, bfloat16, int8 (fp8)")
+    doc.add_argument("--kv-cache-dtype", default="auto", help="as serve's: auto, bfloat16, float16, int8 (fp8)")
     doc.set_defaults(func=cmd_doctor)
 
 

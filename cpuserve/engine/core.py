@@ -24,7 +24,7 @@ from cpuserve.engine.sampling_params import InvalidRequest
 from cpuserve.engine.scheduler import Scheduler, SequenceUpdate
 from cpuserve.engine.sequence import Sequence
 from cpuserve.engine.stats import EngineStats
-from cpuserve.kv_cache_dtype import kv_cache_is_int8
+from cpuserve.kv_cache_dtype import kv_cache_storage
 from cpuserve.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: sized by the platform memory plan
     long_prefill_token_threshold: int = 0  # vLLM's: at most this many prompt tokens per request and step
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; int8 (or vLLM's fp8 names): engine/kv_int8.py
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; bfloat16, float16; int8 (or fp8 names): engine/kv_int8.py
     # vLLM's --seed: requests without a seed of their own draw theirs from a generator seeded with
     # this, so a run is reproducible (the same requests in the same order give the same outputs)
     # while two unseeded requests still differ. None: from the OS.
@@ -64,7 +64,7 @@ class EngineCore:
             config.num_kv_blocks,
             config.block_size,
             eos_ids,
-            kv_int8=kv_cache_is_int8(config.kv_cache_dtype, str(model.dtype).removeprefix("torch.")),
+            kv_storage=kv_cache_storage(config.kv_cache_dtype),
         )
         self.requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()

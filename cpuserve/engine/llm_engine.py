@@ -148,12 +148,14 @@ class LLMEngine:
         machine=None,  # type: ignore[no-untyped-def]
         overrides=None,  # type: ignore[no-untyped-def]
         quantize_lm_head: str | None = None,
+        model: CausalLM | None = None,
     ) -> LLMEngine:
         """Read the model directory once (config, quantization config, headers), size the KV cache
         from the platform memory plan (unless given) and load. Environment settings come from
         `overrides` (read and validated once at start; read here if not given); an explicit
         quantize_lm_head (the --quantize-lm-head flag) wins over CPUSERVE_QUANTIZE_LM_HEAD; with neither,
-        the head is int8 (loader.DEFAULT_LM_HEAD), "none" keeps it."""
+        the head is int8 (loader.DEFAULT_LM_HEAD), "none" keeps it. `model`: this directory's model,
+        already loaded (by another engine: a benchmark's engines with different caches share it)."""
         from cpuserve.model.footprint import model_facts, plan_model_memory
         from cpuserve.model.loader import lm_head_setting, load_model
         from cpuserve.model.source import ModelSource
@@ -166,6 +168,8 @@ class LLMEngine:
             overrides = read_overrides(os.environ)
         source = ModelSource.open(model_dir)
         spec, _, facts = model_facts(source, dtype, config.kv_cache_dtype)
+        if config.kv_cache_dtype == "auto" and facts.get("kv_cache_storage"):
+            config.kv_cache_dtype = facts["kv_cache_storage"]  # footprint.auto_kv_storage: the checkpoint's
         if config.num_kv_blocks is None:
             machine = machine or detect_machine()
             max_len = config.max_model_len or spec.max_position_embeddings
@@ -181,8 +185,9 @@ class LLMEngine:
                 facts["kv_cache_dtype"],
                 mem.reason,
             )
-        head = lm_head_setting(quantize_lm_head, overrides.quantize_lm_head)
-        model = load_model(source, dtype, quantize_lm_head=head)
+        if model is None:
+            head = lm_head_setting(quantize_lm_head, overrides.quantize_lm_head)
+            model = load_model(source, dtype, quantize_lm_head=head)
         engine = cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
         engine.pooling = PoolingConfig.load(model_dir)
         engine.facts = facts

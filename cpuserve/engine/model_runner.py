@@ -33,13 +33,17 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         eos_ids: frozenset[int] = frozenset(),
-        kv_int8: bool = False,
+        kv_storage: str | None = None,
     ) -> None:
+        """kv_storage: what the KV cache holds (kv_cache_dtype.kv_cache_storage): "int8", "bfloat16",
+        "float16", or None for the model's dtype."""
         spec = model.spec
         self.model = model
         self.eos_ids = set(eos_ids)
+        int8 = kv_storage == "int8"
+        stored = model.dtype if kv_storage is None or int8 else getattr(torch, kv_storage)
         self.cache = PagedKVCache(
-            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, model.dtype, int8=kv_int8
+            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, stored, int8=int8
         )
         self._masks: MaskComputer | None = None  # made when the first constrained row samples
 

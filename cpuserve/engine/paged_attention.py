@@ -28,8 +28,9 @@ from cpuserve.model.native_decode import DecodeCache
 
 
 class PagedKVCache:
-    """Per-layer K/V slot arrays in the model's dtype or, with int8=True, as int8 rows with one fp32
-    scale per (slot, KV head) (engine/kv_int8.py)."""
+    """Per-layer K/V slot arrays in `dtype` (the model's, or a 16-bit one under a float32 model: new
+    rows are rounded to it as they are written) or, with int8=True, as int8 rows with one fp32 scale
+    per (slot, KV head) (engine/kv_int8.py)."""
 
     def __init__(
         self,
@@ -65,8 +66,8 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New tokens' K/V [T, Hkv, D] into their slots (quantized for an int8 cache)."""
         if self.k_scale is None or self.v_scale is None:
-            self.k[layer][slots] = k
-            self.v[layer][slots] = v
+            self.k[layer][slots] = k.to(self.k[layer].dtype)
+            self.v[layer][slots] = v.to(self.v[layer].dtype)
             return
         self.k[layer][slots], self.k_scale[layer][slots] = quantize_kv(k)
         self.v[layer][slots], self.v_scale[layer][slots] = quantize_kv(v)

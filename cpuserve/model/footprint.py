@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cpuserve.engine.kv_int8 import int8_row_bytes
-from cpuserve.kv_cache_dtype import is_int8
+from cpuserve.kv_cache_dtype import kv_cache_storage
 from cpuserve.model.config import ModelSpec
 from cpuserve.model.loader import auto_dtype, resolve_dtype
 from cpuserve.model.source import ModelSource
@@ -91,7 +91,7 @@ def model_facts(
         "parameters": params,
         "weights_bytes": weight_bytes,
         "weights_bytes_native": native_bytes,  # as the native kernels hold them (int4 as nibbles)
-        **_kv_cache_facts(spec, kv_cache_dtype, elem, compute),
+        **_kv_cache_facts(spec, kv_cache_dtype, dtype, compute),
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {
             "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(qc, compute),
@@ -101,17 +101,43 @@ def model_facts(
     return spec, compute, facts
 
 
-def _kv_cache_facts(spec: ModelSpec, kv_cache_dtype: str, elem: int, compute: torch.dtype) -> dict[str, Any]:
-    """What one token's K and V rows cost in every layer, and what the cache holds them as."""
-    if not is_int8(kv_cache_dtype):
+def auto_kv_storage(spec: ModelSpec, dtype: str, compute: torch.dtype) -> str | None:
+    """What `--kv-cache-dtype auto` stores where `--dtype auto` computes a 16-bit checkpoint in float32
+    (a CPU without native 16-bit dot products): the checkpoint's dtype, as vLLM's auto (the model's
+    dtype, which is the checkpoint's there) stores it. Half the bytes decode attention reads and the
+    memory plan reserves a token; the kernels widen rows to float32 as they read them. None: the
+    compute dtype (an explicit --dtype, or a CPU computing in the checkpoint's dtype)."""
+    stored = spec.torch_dtype if spec.torch_dtype in ("bfloat16", "float16") else None
+    if dtype != "auto" or compute != torch.float32 or stored is None:
+        return None
+    return stored
+
+
+def _kv_cache_facts(spec: ModelSpec, kv_cache_dtype: str, dtype: str, compute: torch.dtype) -> dict[str, Any]:
+    """What one token's K and V rows cost in every layer, what the cache holds them as, and (as
+    `kv_cache_storage`, kv_cache_dtype.kv_cache_storage's names) what the engine stores."""
+    name = str(compute).removeprefix("torch.")
+    storage = kv_cache_storage(kv_cache_dtype)
+    if storage is None and (auto := auto_kv_storage(spec, dtype, compute)) is not None:
         return {
-            "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem,
-            "kv_cache_dtype": str(compute).removeprefix("torch."),
+            "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * 2,
+            "kv_cache_dtype": f"{auto} (--kv-cache-dtype auto: the checkpoint's dtype; the model computes in {name})",
+            "kv_cache_storage": auto,
+        }
+    if storage is None or storage == name:
+        elem = torch.empty((), dtype=compute).element_size()
+        return {"kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem, "kv_cache_dtype": name}
+    if storage != "int8":  # a 16-bit cache, the model computing in another dtype
+        return {
+            "kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * 2,
+            "kv_cache_dtype": f"{storage} (--kv-cache-dtype {kv_cache_dtype}; the model computes in {name})",
+            "kv_cache_storage": storage,
         }
     asked = "" if kv_cache_dtype == "int8" else f", for --kv-cache-dtype {kv_cache_dtype}"
     return {
         "kv_bytes_per_token": 2 * spec.num_layers * spec.num_kv_heads * int8_row_bytes(spec.head_dim),
         "kv_cache_dtype": f"int8 (one fp32 scale per token and KV head{asked})",
+        "kv_cache_storage": "int8",
     }
 
 

@@ -112,7 +112,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="auto (the model's dtype), bfloat16, or int8 (also fp8, fp8_e4m3, fp8_e5m2): int8 rows + per-row scales",
+        help="auto (the model's dtype), bfloat16, float16 (under any compute dtype), or int8 (also fp8, fp8_e4m3, "
+        "fp8_e5m2): int8 rows + per-row scales",
     )
     p.add_argument(
         "--quantize-lm-head",
@@ -136,7 +137,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse flag values the engine cannot honour (one line each); log the accepted no-ops."""
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         raise CpuserveError("--tensor-parallel-size and --pipeline-parallel-size must be 1: cpuserve runs one engine")
-    is_int8(args.kv_cache_dtype)  # refuses a name it does not know (bfloat16 vs the model: EngineCore)
+    is_int8(args.kv_cache_dtype)  # refuses a name it does not know
     if args.device not in (None, "cpu", "auto"):
         raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
     if args.shutdown_timeout < 0:

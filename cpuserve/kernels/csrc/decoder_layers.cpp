@@ -74,9 +74,13 @@ struct LayerPlan {
 };
 
 // x [T, Hkv, D] (D contiguous) into cache [B, S, Hkv, D] at [batch[t], pos[t]]: one copy per head row.
-void store_kv(const torch::Tensor& cache, const torch::Tensor& x, const int64_t* batch, const int64_t* pos) {
-  TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.stride(3) == 1 && x.stride(2) == 1,
-              "decode_layers: the KV cache must have the model's dtype");
+// A 16-bit cache under a float32 model gets x rounded to its dtype first (torch's rounding, as the
+// Python path's write), so both paths store the same bits.
+void store_kv(const torch::Tensor& cache, const torch::Tensor& input, const int64_t* batch, const int64_t* pos) {
+  TORCH_CHECK(cache.is_floating_point() && cache.element_size() <= input.element_size(),
+              "decode_layers: a float KV cache holds the model's dtype or a 16-bit one");
+  const torch::Tensor x = cache.scalar_type() == input.scalar_type() ? input : input.to(cache.scalar_type());
+  TORCH_CHECK(cache.stride(3) == 1 && x.stride(2) == 1, "decode_layers: K/V rows must be contiguous");
   const int64_t t = x.size(0), heads = x.size(1), row = x.size(2) * x.element_size();
   TORCH_CHECK(cache.size(2) == heads && cache.size(3) == x.size(2), "decode_layers: KV cache shape mismatch");
   char* dst = static_cast<char*>(cache.data_ptr());
