@@ -16,7 +16,9 @@ FLOAT_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
 
 def kv_cache_storage(kv_cache_dtype: str) -> str | None:
     """What the cache holds: "int8", "bfloat16", "float16", or None for "auto" (the model's compute
-    dtype); a name it does not know is a ConfigError (a cache dtype is never silently replaced)."""
+    dtype, or the checkpoint's where --dtype auto computes it in float32: model/footprint.py
+    auto_kv_storage); a name it does not know is a ConfigError (a cache dtype is never silently
+    replaced)."""
     if kv_cache_dtype in INT8_NAMES:
         return "int8"
     if kv_cache_dtype == "auto":

@@ -3,29 +3,32 @@ dtype, their runs interleaved so drift falls on each alike."""
 
 from __future__ import annotations
 
+import pytest
+
 from cpuserve.bench import engine_bench
 from cpuserve.bench.engine_bench import DecodeRun, run_engine_benches, run_per_kv_cache_dtype
 
 
 def test_runs_alternate_their_order_and_report_medians(monkeypatch):
     calls = []
-    speeds = {"a": iter([10.0, 30.0, 20.0] * 3), "b": iter([5.0, 7.0, 6.0] * 3)}
 
     def fake_run(engine, concurrency, new_tokens, prompt_words, logprobs):
         calls.append((engine, concurrency, logprobs))
-        if new_tokens == 4:  # the warm-up
-            return DecodeRun(concurrency, 0, 0.0, 0.0)
-        return DecodeRun(concurrency, int(next(speeds[engine])), 1.0, 0.0)
+        # a host that slows down run after run: only interleaving keeps it out of the comparisons
+        speed = 100.0 - len(calls) - (10.0 if logprobs else 0.0) - (20.0 if engine == "b" else 0.0)
+        return DecodeRun(concurrency, int(speed * 10), 10.0, 0.0)
 
     monkeypatch.setattr(engine_bench, "decode_run", fake_run)
-    results = run_engine_benches({"a": "a", "b": "b"}, [8], 16, 10, 3)  # type: ignore[dict-item]
+    results = run_engine_benches({"a": "a", "b": "b"}, [8], 16, 10, 2)  # type: ignore[dict-item]
+    assert calls[:2] == [("a", 1, None), ("b", 1, None)]  # warm-ups
     timed = [(e, lp) for e, c, lp in calls[2:]]
-    assert calls[:2] == [("a", 1, None), ("b", 1, None)]
-    # decode at 8, then logprobs none, then logprobs 20: each a b / b a / a b
-    order = ["a", "b", "b", "a", "a", "b"]
-    assert timed == [(e, None) for e in order] + [(e, None) for e in order] + [(e, 20) for e in order]
-    assert results["a"]["decode_tok_s"] == {8: 20.0} and results["b"]["decode_tok_s"] == {8: 6.0}
-    assert results["a"]["logprobs"]["cost_pct"] == 0.0
+    assert timed[:4] == [("a", None), ("b", None), ("b", None), ("a", None)]  # decode at 8: a b, b a
+    # logprobs cost: a (plain, 20) b (plain, 20), then b (20, plain) a (20, plain)
+    assert timed[4:] == [("a", None), ("a", 20), ("b", None), ("b", 20), ("b", 20), ("b", None), ("a", 20), ("a", None)]
+    assert results["a"]["decode_tok_s"] == {8: 95.5} and results["b"]["decode_tok_s"] == {8: 75.5}
+    for name in "ab":  # drift cancels: the cost is the 10 tok/s logprobs=20 costs here
+        lp = results[name]["logprobs"]
+        assert lp["none_tok_s"] - lp["logprobs20_tok_s"] == pytest.approx(10.0)
 
 
 def test_one_model_serves_every_cache_dtype(smol_dir, monkeypatch):

@@ -206,7 +206,7 @@ def test_native_decode_is_bit_identical_to_the_layer_loop(tiny, case, dtype, mon
     assert torch.equal(logits[True], logits[False])
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "bfloat16"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "bfloat16", "float16"])
 def test_engine_native_decode_equals_the_layer_loop(tiny, kv, monkeypatch):
     """Through the paged cache (blocks of 4, sliding layers reading their window's slots), int8 KV
     too: the same tokens and logprobs with and without the native step."""

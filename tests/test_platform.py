@@ -231,8 +231,11 @@ def test_doctor_report_on_container_with_bundled_model(smol_dir):
     report = build_report(machine("container_cgroup2"), {"FLAGGEMS_VENDOR": "arm"}, smol_dir)
     assert report["problems"] == []
     mem = report["decisions"]["memory"]
-    # the activations' dtype is this host's choice (bfloat16 only with native bf16 dot products)
-    elem = {"bfloat16": 2, "float32": 4}[report["model"]["compute_dtype"]]
+    # the activations' dtype is this host's choice (bfloat16 only with native bf16 dot products); the
+    # cache holds bf16 either way (the checkpoint's dtype where auto computes in float32)
+    assert report["model"]["compute_dtype"] in ("bfloat16", "float32")
+    assert report["model"]["kv_cache_dtype"].startswith("bfloat16")
+    elem = 2
     assert mem["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * elem  # layers x kv heads x head_dim x dtype, K and V
     assert report["model"]["parameters"] == 134_515_008
     text = render_text(report)

@@ -58,27 +58,30 @@ def decode_run(
 def run_engine_benches(
     engines: dict[str, LLMEngine], concurrencies: list[int], new_tokens: int, prompt_words: int, repeats: int
 ) -> dict[str, dict]:
-    """Each engine's decode tok/s per concurrency and logprobs=20 cost, its runs interleaved with the
-    others' (A B C, then C B A, ...) so that the host's drift falls on every engine alike."""
+    """Each engine's decode tok/s per concurrency and logprobs=20 cost. Every timed run is interleaved
+    with the others of its comparison (engines A B, then B A, ...; plain and logprobs=20 likewise) so
+    that the host's drift falls on each side alike."""
     names = list(engines)
     for engine in engines.values():
         decode_run(engine, 1, 4, prompt_words, None)  # warm-up
 
-    def interleaved(concurrency: int, logprobs: int | None) -> dict[str, list[float]]:
-        runs: dict[str, list[float]] = {name: [] for name in names}
+    def interleaved(concurrency: int, modes: list[int | None]) -> dict[tuple[str, int | None], list[float]]:
+        runs: dict[tuple[str, int | None], list[float]] = {(n, m): [] for n in names for m in modes}
         for r in range(repeats):
             for name in names if r % 2 == 0 else names[::-1]:
-                runs[name].append(decode_run(engines[name], concurrency, new_tokens, prompt_words, logprobs).tok_s)
+                for mode in modes if r % 2 == 0 else modes[::-1]:
+                    run = decode_run(engines[name], concurrency, new_tokens, prompt_words, mode)
+                    runs[name, mode].append(run.tok_s)
         return runs
 
     results: dict[str, dict] = {name: {"decode_tok_s": {}} for name in names}
     for c in concurrencies:
-        for name, runs in interleaved(c, None).items():
+        for (name, _), runs in interleaved(c, [None]).items():
             results[name]["decode_tok_s"][c] = statistics.median(runs)
     c = max(1, min(8, max(concurrencies)))
-    plain, with_lp = interleaved(c, None), interleaved(c, 20)
+    pairs = interleaved(c, [None, 20])
     for name in names:
-        plain_m, lp_m = statistics.median(plain[name]), statistics.median(with_lp[name])
+        plain_m, lp_m = statistics.median(pairs[name, None]), statistics.median(pairs[name, 20])
         results[name]["logprobs"] = {
             "concurrency": c,
             "none_tok_s": plain_m,
@@ -102,12 +105,14 @@ def run_per_kv_cache_dtype(
     it fills), measured interleaved; the caller checks every name first (cli/bench.py) so a typo in
     the last one costs no minutes."""
     from cpuserve.engine import EngineConfig
+    from cpuserve.platform.machine import detect_machine
 
+    machine = detect_machine()  # before the model is loaded: every engine's plan sees the same memory
     engines: dict[str, LLMEngine] = {}
     model = None
     for kv in kv_cache_dtypes:
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max(concurrencies), kv_cache_dtype=kv)
-        engines[kv] = LLMEngine.from_model_dir(model_dir, config, dtype, model=model)
+        engines[kv] = LLMEngine.from_model_dir(model_dir, config, dtype, machine=machine, model=model)
         model = engines[kv].model
     results = run_engine_benches(engines, concurrencies, new_tokens, prompt_words, repeats)
     model_dtype = str(next(iter(engines.values())).model.dtype).removeprefix("torch.")

@@ -43,8 +43,12 @@ def engine_nll(model_dir: Path, windows: list[list[int]], dtype: str, kv_cache_d
     from cpuserve.engine.llm import run_to_completion
     from cpuserve.engine.llm_engine import EngineConfig, LLMEngine
     from cpuserve.engine.sampling_params import SamplingParams
+    from cpuserve.model.footprint import auto_kv_storage
     from cpuserve.tokenizer import GenerationDefaults
 
+    model = load_model(model_dir, dtype)
+    if kv_cache_dtype == "auto":  # what serve's auto stores (the checkpoint's dtype under a float32 auto)
+        kv_cache_dtype = auto_kv_storage(model.spec, dtype, model.dtype) or "auto"
     seqs, block = 4, 16
     longest = max(len(w) for w in windows)
     config = EngineConfig(
@@ -55,7 +59,7 @@ def engine_nll(model_dir: Path, windows: list[list[int]], dtype: str, kv_cache_d
         enable_prefix_caching=False,
         kv_cache_dtype=kv_cache_dtype,
     )
-    engine = LLMEngine(load_model(model_dir, dtype), Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+    engine = LLMEngine(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
     done = run_to_completion(engine, {f"w{i}": w for i, w in enumerate(windows)}, params)
     nll = -sum(entry.logprob for out in done for entry in out.prompt_logprobs[1:])

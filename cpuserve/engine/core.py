@@ -39,7 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # default: sized by the platform memory plan
     long_prefill_token_threshold: int = 0  # vLLM's: at most this many prompt tokens per request and step
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; bfloat16, float16; int8 (or fp8 names): engine/kv_int8.py
+    # "auto": the model's dtype (from_model_dir makes it the checkpoint's where --dtype auto computes
+    # it in float32: footprint.auto_kv_storage); bfloat16, float16; int8 (or fp8 names): engine/kv_int8.py
+    kv_cache_dtype: str = "auto"
     # vLLM's --seed: requests without a seed of their own draw theirs from a generator seeded with
     # this, so a run is reproducible (the same requests in the same order give the same outputs)
     # while two unseeded requests still differ. None: from the OS.

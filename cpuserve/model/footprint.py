@@ -192,7 +192,7 @@ def _float_op_kernels(spec: ModelSpec) -> dict[str, str]:
     return {
         "attention": (
             "decode and prefill: native, read the KV cache in place (prefill in query and key blocks; "
-            "on a bf16 cache, bf16 pair products where the CPU has AVX512_BF16, else fp32)"
+            "a bf16 model on a bf16 cache: bf16 pair products where the CPU has AVX512_BF16, else fp32)"
         ),
         "norm, rope, activation": "native (residual add fused with the next norm)",
         "decode step": "native, all layers in one call" if whole else "Python layer loop (native ops)",

@@ -314,7 +314,9 @@ def prefill_attention_paged(
 
             keys = dequantize_kv(keys, key_scale[slots], q.dtype)
             values = dequantize_kv(values, value_scale[slots], q.dtype)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a 16-bit cache under a float32 model
+        if keys.dtype != q.dtype:  # a 16-bit cache under another compute dtype: widened exactly, fp32
+            out = prefill_attention_reference(q.float()[None], keys.float()[None], values.float()[None], window, scale)
+            return out[0].to(q.dtype)
         return prefill_attention_reference(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), window, scale)[0]
     d = q.shape[-1]
     out = module.prefill_attention(

@@ -112,8 +112,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="auto (the model's dtype), bfloat16, float16 (under any compute dtype), or int8 (also fp8, fp8_e4m3, "
-        "fp8_e5m2): int8 rows + per-row scales",
+        help="auto (the model's dtype; the checkpoint's where --dtype auto computes it in float32), bfloat16, "
+        "float16 (under any compute dtype), or int8 (also fp8, fp8_e4m3, fp8_e5m2): int8 rows + per-row scales",
     )
     p.add_argument(
         "--quantize-lm-head",
