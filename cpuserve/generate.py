@@ -35,15 +35,18 @@ def sample_next(logits: torch.Tensor, params: SimpleSampling, generator: torch.G
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def generate_ids(model: CausalLM, prompt_ids: list[int], params: SimpleSampling) -> Iterator[int]:
-    """Yield generated token ids; stops after a stop token (which is yielded) or max_tokens."""
+def generate_ids(
+    model: CausalLM, prompt_ids: list[int], params: SimpleSampling, cache_dtype: torch.dtype | None = None
+) -> Iterator[int]:
+    """Yield generated token ids; stops after a stop token (which is yielded) or max_tokens. The KV
+    cache holds cache_dtype (None: the model's dtype)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     generator = None
     if params.temperature > 0.0:
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
-    cache = model.new_cache(1, len(prompt_ids) + params.max_tokens)
+    cache = model.new_cache(1, len(prompt_ids) + params.max_tokens, cache_dtype)
     inputs = torch.tensor([prompt_ids])
     for _ in range(params.max_tokens):
         hidden = model.hidden_states(inputs, cache)

@@ -177,3 +177,29 @@ def test_bf16_queries_over_fp16_rows_read_the_rows_exactly(monkeypatch, native):
     # within the output's own rounding (half a bf16 step: 2^-8 of each value); rows rounded to bf16 on
     # the way (the bug this guards against) were 0.019 over it
     assert ((out.float() - ref).abs() - 2**-8 * ref.abs()).max() <= 1e-5
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_contiguous_cache_holds_16bit_rows_as_the_paged_one_does(our_smol, smol_dir, monkeypatch, native):
+    """`generate` and the single-stream benchmark's contiguous cache in bf16 under the float32 model
+    (what serve's paged cache holds on a float32-auto host): 10 greedy tokens equal the engine's, the
+    first step's top-5 logprobs within 1e-3 of the paged path's; on the native kernels and on the
+    torch path."""
+    from cpuserve.generate import SimpleSampling, generate_ids
+
+    if not native:
+        monkeypatch.setattr(ops, "_use_native", lambda *t: None)
+    tokenizer = Tokenizer(smol_dir)
+    prompt = tokenizer.encode("Once upon a time, in a small village,")
+    ours = list(generate_ids(our_smol, prompt, SimpleSampling(max_tokens=10), torch.bfloat16))
+    cache = our_smol.new_cache(1, 32, torch.bfloat16)
+    assert cache.k[0].dtype == torch.bfloat16 and our_smol.dtype == torch.float32
+    contiguous = our_smol.logits(our_smol.hidden_states(torch.tensor([prompt]), cache)[0, -1])
+    config = EngineConfig(num_kv_blocks=16, max_num_seqs=1, kv_cache_dtype="bfloat16")
+    engine = LLMEngine(our_smol, tokenizer, config, GenerationDefaults.load(smol_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+    out = run_to_completion(engine, {"r": prompt}, params)[0].outputs[0]
+    assert ours == list(out.token_ids)
+    first = torch.log_softmax(contiguous.float(), -1)
+    for token, logprob in out.logprobs[0].top.items():
+        assert abs(first[token].item() - logprob) < 1e-3

@@ -39,10 +39,14 @@ def main() -> None:
     reference = [m for m in model.modules() if isinstance(m, Linear) and m.quant is not None and m.kernel is None]
     if reference:  # e.g. kernels edited (new build key) and not rebuilt: a number of the wrong engine
         sys.exit(f"speed_worker: {len(reference)} quantized linears are not on the native kernels; ./run setup")
+    from cpuserve.model.footprint import auto_kv_storage
+
+    storage = auto_kv_storage(model.spec, "auto", model.dtype)  # the cache `serve` would hold here
+    cache_dtype = getattr(torch, storage) if storage else None
     ids = torch.arange(100, 100 + prompt_tokens).unsqueeze(0)
     result = {"load_s": load_s}
     for n in (128, prompt_tokens):
-        cache = model.new_cache(1, n + decode_tokens + 1)
+        cache = model.new_cache(1, n + decode_tokens + 1, cache_dtype)
         t = time.perf_counter()
         hidden = model.hidden_states(ids[:, :n], cache)
         model.logits(hidden[:, -1])
@@ -53,7 +57,7 @@ def main() -> None:
     hwm = next(line for line in status if line.startswith("VmHWM:"))
     result["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     if long_tokens:
-        cache = model.new_cache(1, long_tokens + decode_tokens + 1)
+        cache = model.new_cache(1, long_tokens + decode_tokens + 1, cache_dtype)
         long_ids = torch.arange(100, 100 + long_tokens).unsqueeze(0) % model.spec.vocab_size
         t = time.perf_counter()
         model.logits(model.hidden_states(long_ids, cache)[:, -1])

@@ -37,6 +37,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise CpuserveError(f"--top-p must be in (0, 1], got {args.top_p}")
     machine, overrides, _ = platform_plan(args)  # before torch loads: threads pinned one per core
+    import torch
+
     from cpuserve.detokenizer import IncrementalDetokenizer
     from cpuserve.generate import SimpleSampling, generate_ids
     from cpuserve.model.footprint import model_facts, plan_model_memory
@@ -82,7 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     first = None
     count = 0
-    for token in generate_ids(model, prompt_ids, params):
+    storage = facts.get("kv_cache_storage")  # footprint.auto_kv_storage: what serve's cache would hold
+    for token in generate_ids(model, prompt_ids, params, getattr(torch, storage) if storage else None):
         if first is None:
             first = time.perf_counter()
         count += 1

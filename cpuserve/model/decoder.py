@@ -285,8 +285,9 @@ class CausalLM(nn.Module):
         """For A/B tests that switch native decode on and off on one loaded model."""
         self.__dict__.pop("_native_plan", None)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.spec, batch, max_len, self.dtype)
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A contiguous cache in the model's dtype, or `dtype` (a 16-bit cache under a float32 model)."""
+        return KVCache(self.spec, batch, max_len, dtype or self.dtype)
 
     def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin tables [*positions.shape, head_dim] (one table unless sliding

@@ -139,7 +139,12 @@ def prefill_attention_reference(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None, scale: float | None = None
 ) -> torch.Tensor:
     """q [B, T, Hq, D] new tokens; keys/values [B, L, Hkv, D] every key they see, the T new ones last
-    (query i is key L - T + i); causal, with a sliding window if given. torch's SDPA, in q's dtype."""
+    (query i is key L - T + i); causal, with a sliding window if given. torch's SDPA, in q's dtype
+    (in fp32 when the keys are of another dtype: a 16-bit cache under a float32 model, or fp16 rows
+    under a bf16 one)."""
+    if keys.dtype != q.dtype:  # a 16-bit cache under another compute dtype: widened exactly, in fp32
+        out = prefill_attention_reference(q.float(), keys.float(), values.float(), window, scale)
+        return out.to(q.dtype)
     t, offset = q.shape[1], keys.shape[1] - q.shape[1]
     mask = causal_window_mask(t, offset, window)
     out = F.scaled_dot_product_attention(
@@ -314,9 +319,6 @@ def prefill_attention_paged(
 
             keys = dequantize_kv(keys, key_scale[slots], q.dtype)
             values = dequantize_kv(values, value_scale[slots], q.dtype)
-        if keys.dtype != q.dtype:  # a 16-bit cache under another compute dtype: widened exactly, fp32
-            out = prefill_attention_reference(q.float()[None], keys.float()[None], values.float()[None], window, scale)
-            return out[0].to(q.dtype)
         return prefill_attention_reference(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), window, scale)[0]
     d = q.shape[-1]
     out = module.prefill_attention(
