@@ -319,10 +319,15 @@ def test_json_schema_patterns_are_read_as_ascii_too():
         "properties": {"phone": {"type": "string", "pattern": r"^\d{3}-\d{4}$"}, "n": {"enum": [r"\d"]}},
         "patternProperties": {r"^\w+$": {"type": "string", "pattern": r"\s"}},
         "items": [{"pattern": r"[\d]"}],
+        # instances are values a document holds: an object value with a "pattern" key is kept as written
+        "default": {"pattern": r"\d"},
+        "examples": [{"pattern": r"\w"}],
     }
     assert ascii_schema_patterns(schema) == {
         "type": "object",
         "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}, "n": {"enum": [r"\d"]}},
         "patternProperties": {"^[0-9A-Za-z_]+$": {"type": "string", "pattern": r"[ \t\n\r\f\v]"}},
         "items": [{"pattern": "[0-9]"}],
+        "default": {"pattern": r"\d"},
+        "examples": [{"pattern": r"\w"}],
     }

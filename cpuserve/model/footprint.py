@@ -91,7 +91,7 @@ def model_facts(
         "parameters": params,
         "weights_bytes": weight_bytes,
         "weights_bytes_native": native_bytes,  # as the native kernels hold them (int4 as nibbles)
-        **_kv_cache_facts(spec, kv_cache_dtype, dtype, compute),
+        **_kv_cache_facts(spec, kv_cache_dtype, dtype, compute, elem),
         "max_position_embeddings": spec.max_position_embeddings,
         "kernels": {
             "linear (q/k/v/o, gate/up/down, lm_head)": _linear_kernels(qc, compute),
@@ -113,7 +113,9 @@ def auto_kv_storage(spec: ModelSpec, dtype: str, compute: torch.dtype) -> str | 
     return stored
 
 
-def _kv_cache_facts(spec: ModelSpec, kv_cache_dtype: str, dtype: str, compute: torch.dtype) -> dict[str, Any]:
+def _kv_cache_facts(
+    spec: ModelSpec, kv_cache_dtype: str, dtype: str, compute: torch.dtype, elem: int
+) -> dict[str, Any]:
     """What one token's K and V rows cost in every layer, what the cache holds them as, and (as
     `kv_cache_storage`, kv_cache_dtype.kv_cache_storage's names) what the engine stores."""
     name = str(compute).removeprefix("torch.")
@@ -125,7 +127,6 @@ def _kv_cache_facts(spec: ModelSpec, kv_cache_dtype: str, dtype: str, compute: t
             "kv_cache_storage": auto,
         }
     if storage is None or storage == name:
-        elem = torch.empty((), dtype=compute).element_size()
         return {"kv_bytes_per_token": 2 * spec.num_layers * spec.kv_size * elem, "kv_cache_dtype": name}
     if storage != "int8":  # a 16-bit cache, the model computing in another dtype
         return {

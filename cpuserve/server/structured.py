@@ -13,14 +13,13 @@ import json
 from typing import Any
 
 from cpuserve.engine import InvalidRequest, StructuredOutputs
+from cpuserve.schema_walk import map_schemas
 
 # `structured_outputs` keys that each are a constraint, and the options that are honoured as-is:
 # JSON is always written without free whitespace, and there is no other backend to fall back to.
 CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 HONOURED_OPTIONS = {"disable_any_whitespace", "disable_fallback", "backend", "disable_additional_properties"}
 BACKENDS = (None, "auto", "guidance", "llguidance")
-VALUES = ("const", "enum", "default", "examples")
-NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -99,21 +98,13 @@ def close_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that lists properties
     and says nothing about others (what OpenAI's strict mode means, and vLLM's
     disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in VALUES:  # instances, not schemas: left as they are
-            out[key] = value
-        elif key in NAMED_SCHEMAS and isinstance(value, dict):  # name -> schema: the names are not keywords
-            out[key] = {name: close_objects(sub) for name, sub in value.items()}
-        else:
-            out[key] = close_objects(value)
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    return map_schemas(schema, _closed)
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
 
 
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutputs:

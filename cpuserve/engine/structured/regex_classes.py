@@ -11,6 +11,10 @@ left to llguidance.
 
 from __future__ import annotations
 
+from typing import Any
+
+from cpuserve.schema_walk import map_schemas
+
 _ASCII = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
 
 
@@ -48,17 +52,13 @@ def ascii_classes(pattern: str) -> str:
 
 def ascii_schema_patterns(schema: object) -> object:
     """A JSON schema with every `pattern` (and `patternProperties` key) read as ascii_classes reads a
-    regex constraint, as xgrammar reads them."""
-    if isinstance(schema, list):
-        return [ascii_schema_patterns(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "pattern" and isinstance(value, str):
-            out[key] = ascii_classes(value)
-        elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {ascii_classes(k): ascii_schema_patterns(v) for k, v in value.items()}
-        else:
-            out[key] = ascii_schema_patterns(value)
-    return out
+    regex constraint, as xgrammar reads them; instances (`const`, `default`, ...) left as written."""
+    return map_schemas(schema, _ascii_patterns)
+
+
+def _ascii_patterns(schema: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(schema.get("pattern"), str):
+        schema["pattern"] = ascii_classes(schema["pattern"])
+    if isinstance(schema.get("patternProperties"), dict):
+        schema["patternProperties"] = {ascii_classes(k): v for k, v in schema["patternProperties"].items()}
+    return schema
