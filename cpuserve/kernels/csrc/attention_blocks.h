@@ -3,11 +3,12 @@
 // Scores: each key row is converted to fp32 once for the query heads sharing it (fp32 rows read in place); each (head, key)
 // leaves a V::kLanes-lane partial, and the partials of a key block are summed lane-wise by one
 // transpose tree (V::sum_lanes) into the block's scores, with no horizontal sum per dot product.
-// Softmax with a vector exp. Values: per V::kLanes columns of the head dimension, every head's
-// accumulator in a register, each value row read once. Long contexts with few (sequence, KV head)
+// Softmax with a vector exp. Values: up to 4 vectors of the head dimension at a time, every head's
+// accumulators in registers (value_sums). K and V rows are prefetched kAhead keys on (paged blocks
+// are scattered). Long contexts with few (sequence, KV head)
 // jobs are split into parts over the threads and merged (the flash-decoding reduction).
 //
-// V provides: Vec, Mask, kLanes; zero, set1, add, sub, mul, max, fma(a, b, c) = a * b + c; load from
+// V provides: Vec, Mask, kLanes, kRegisters; zero, set1, add, sub, mul, max, fma(a, b, c) = a * b + c; load from
 // float / Bf16 / F16 / int8 (kLanes values widened to fp32), store; first(n) (the lanes below n),
 // load_first(p, m, fill) (p's lanes under m, fill elsewhere), store_first(p, m, v), keep(m, v) (v
 // under m, 0 elsewhere); reduce_max, reduce_add; sum_lanes(rows) (kLanes rows of kLanes floats: lane l = the sum of
@@ -43,6 +44,56 @@ inline typename V::Vec load_scaled(const T* p, float scale) {
   return V::load(p);
 }
 
+// Keys ahead whose K and V rows are requested while a key is scored. A paged cache's rows come in
+// blocks of 16 slots scattered over the cache, so the hardware prefetchers lose the stream at every
+// block: decode attention over long contexts stalled on each block's first rows (perf: the key and
+// value loads took most of the kernel's time, at a fraction of the read bandwidth).
+constexpr int64_t kAhead = 16;
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
+// Chunks of the head dimension summed together in value_sums: as many as keep group x chunks
+// accumulators in half the vector registers (a chunk at a time left `group` dependent FMA chains per
+// key, bound by the FMA's latency, and read every value row chunks times).
+template <typename V>
+constexpr int64_t value_width(int64_t chunks, int64_t group) {
+  for (int64_t w : {int64_t(4), int64_t(2)})
+    if (chunks % w == 0 && group * w <= V::kRegisters / 2) return w;
+  return 1;
+}
+
+// o[g] = sum over the part's keys of e^(score - mx) * value, W chunks of the head dimension at a time;
+// each output element sums the keys in order, whatever W.
+template <typename V, typename T, int64_t W>
+void value_sums(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t count, const float* scores,
+                int64_t stride, float* o) {
+  using Vec = typename V::Vec;
+  constexpr int64_t L = V::kLanes;
+  const int64_t group = a.hq / a.hkv, d = a.d;
+  const T* vp = static_cast<const T*>(a.v) + (a.slots ? 0 : seq * a.kb) + head * a.kh;
+  const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+  for (int64_t c = 0; c < d / L; c += W) {
+    Vec acc[kMaxGroup][W];
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t w = 0; w < W; ++w) acc[g][w] = V::zero();
+    for (int64_t l = 0; l < count; ++l) {
+      const int64_t pos = slot ? slot[l0 + l] : l0 + l;
+      const T* value = vp + pos * a.ks + L * c;
+      const float vs = row_scale<T>(a.v_scale, a, seq, pos, head);
+      Vec v[W];
+      for (int64_t w = 0; w < W; ++w) v[w] = load_scaled<V>(value + L * w, vs);
+      for (int64_t g = 0; g < group; ++g) {
+        const Vec s = V::set1(scores[g * stride + l]);
+        for (int64_t w = 0; w < W; ++w) acc[g][w] = V::fma(s, v[w], acc[g][w]);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t w = 0; w < W; ++w) V::store(o + g * d + L * (c + w), acc[g][w]);
+  }
+}
+
 // One part of a job: keys [l0, l1) of (seq, head) for its `group` query heads. Leaves, per head, the
 // part's largest score (mx), the sum of e^(score - mx) (total) and the unnormalized output
 // sum e^(score - mx) v (o, [group, d]); an empty part leaves -inf, 0, 0. run() merges.
@@ -69,6 +120,10 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
         continue;
       }
       const T* key = row(kp, l0 + b0 + j);
+      if (l0 + b0 + j + kAhead < l1) {  // the rows kAhead keys on, K and V (the values' pass reads them next)
+        prefetch_row(row(kp, l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
+        prefetch_row(row(vp, l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
+      }
       auto dots = [&](auto chunk) {  // each head's partial over the key row, chunk(c) its c-th vector
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qs + g * d;
@@ -107,15 +162,13 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
     }
     total[g] = V::reduce_add(sum);
   }
-  for (int64_t c = 0; c < chunks; ++c) {
-    Vec acc[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) acc[g] = V::zero();
-    for (int64_t l = 0; l < count; ++l) {
-      const Vec value = load_scaled<V>(row(vp, l0 + l) + L * c, row_scale<T>(a.v_scale, a, seq, position(l0 + l), head));
-      for (int64_t g = 0; g < group; ++g) acc[g] = V::fma(V::set1(scores[g * stride + l]), value, acc[g]);
-    }
-    for (int64_t g = 0; g < group; ++g) V::store(o + g * d + L * c, acc[g]);
-  }
+  const auto values = [&](auto width) {
+    value_sums<V, T, decltype(width)::value>(a, seq, head, l0, count, scores, stride, o);
+  };
+  const int64_t across = value_width<V>(chunks, group);
+  if (across == 4) return values(std::integral_constant<int64_t, 4>{});
+  if (across == 2) return values(std::integral_constant<int64_t, 2>{});
+  values(std::integral_constant<int64_t, 1>{});
 }
 
 // Jobs [begin, end): the weighted sum of their parts' outputs over the weighted sum of their totals,

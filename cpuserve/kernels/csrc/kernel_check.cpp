@@ -622,7 +622,7 @@ void check_attention(const Variant& v, Rng& rng, int64_t n, int64_t hkv, int64_t
 
 void check_attentions(const Variant& v, Rng& rng) {
   for (int64_t d : {64, 128, 36, 30})  // 36: ymm's and zmm's portable loops, NEON's blocks; 30: none's blocks
-    for (int64_t group : {1, 3})
+    for (int64_t group : {1, 3, 8})  // value_sums' widths: 4, 2 and 1 chunks at a time on ymm, 4 and 2 on zmm
       for (int64_t longest : {1, 5, 17, 300})
         for (bool paged : {false, true}) {
           const int64_t n = longest == 300 ? 1 : 3, hkv = longest == 300 ? 1 : 2;  // 300: one job, split in parts

@@ -14,6 +14,7 @@ namespace cpk {
 struct NeonLanes {
   using Vec = float32x4_t;
   static constexpr int64_t kLanes = 4;
+  static constexpr int64_t kRegisters = 32;  // v0-v31
   static Vec zero() { return vdupq_n_f32(0.f); }
   static Vec set1(float x) { return vdupq_n_f32(x); }
   static Vec add(Vec a, Vec b) { return vaddq_f32(a, b); }

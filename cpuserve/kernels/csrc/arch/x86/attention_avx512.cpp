@@ -33,6 +33,7 @@ struct Zmm {
   using Vec = __m512;
   using Mask = __mmask16;
   static constexpr int64_t kLanes = 16;
+  static constexpr int64_t kRegisters = 32;  // zmm0-31
   static Vec zero() { return _mm512_setzero_ps(); }
   static Vec set1(float x) { return _mm512_set1_ps(x); }
   static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }

@@ -15,6 +15,7 @@ namespace cpk {
 struct YmmLanes {
   using Vec = __m256;
   static constexpr int64_t kLanes = 8;
+  static constexpr int64_t kRegisters = 16;  // ymm0-15
   static Vec zero() { return _mm256_setzero_ps(); }
   static Vec set1(float x) { return _mm256_set1_ps(x); }
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
