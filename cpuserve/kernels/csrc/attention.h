@@ -1,7 +1,7 @@
 // Decode attention without torch: one query token per sequence against its cached keys/values,
 // softmax in fp32. The portable loops below are the scalar twin; each variant's row points at them
 // compiled for its ISA (CPK_PORTABLE_ATTENTION) or at its own kernel (attention_blocks.h, instanced
-// by arch/x86/attention_avx512.cpp and attention_avx2.cpp).
+// by arch/x86/attention_avx512.cpp, arch/x86/attention_avx2.cpp and arch/arm/attention_neon.cpp).
 // Loops are written with independent partial sums so the compiler vectorizes them without
 // reassociating float adds (-ffp-contract=off, no fast-math): the same floats at every ISA.
 #pragma once

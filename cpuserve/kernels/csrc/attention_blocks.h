@@ -3,8 +3,8 @@
 // Scores: each key row is converted to fp32 once for the query heads sharing it (fp32 rows read in place); each (head, key)
 // leaves a V::kLanes-lane partial, and the partials of a key block are summed lane-wise by one
 // transpose tree (V::sum_lanes) into the block's scores, with no horizontal sum per dot product.
-// Softmax with a vector exp. Values: up to 4 vectors of the head dimension at a time, every head's
-// accumulators in registers (value_sums). K and V rows are prefetched kAhead keys on (paged blocks
+// Softmax with a vector exp. Values: up to 4 vectors of the head dimension at a time (value_sums).
+// Key and value rows are prefetched kAhead keys on while the keys are scored (a paged cache's blocks
 // are scattered). Long contexts with few (sequence, KV head)
 // jobs are split into parts over the threads and merged (the flash-decoding reduction).
 //
@@ -45,17 +45,23 @@ inline typename V::Vec load_scaled(const T* p, float scale) {
 }
 
 // Keys ahead whose K and V rows are requested while a key is scored. A paged cache's rows come in
-// blocks of 16 slots scattered over the cache, so the hardware prefetchers lose the stream at every
-// block: decode attention over long contexts stalled on each block's first rows (perf: the key and
-// value loads took most of the kernel's time, at a fraction of the read bandwidth).
+// blocks (of --block-size slots, 16 by default) scattered over the cache, so the hardware
+// prefetchers lose the stream at every block: decode attention over long contexts stalled on each
+// block's first rows (perf: the key and value loads took most of the kernel's time, at a fraction of
+// the read bandwidth). The value rows are requested with the keys, although the values' pass reads
+// them only after the part's scores (from L2, where L1 has let them go): requesting them in that
+// pass instead, or into L2 only, measured slower (docs/benchmarks.md).
 constexpr int64_t kAhead = 16;
 
+// Every 64-byte line of [p, p + bytes), wherever the row starts.
 inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+  for (uintptr_t line = first; line < end; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
 }
 
 // Chunks of the head dimension summed together in value_sums: as many as keep group x chunks
-// accumulators in half the vector registers (a chunk at a time left `group` dependent FMA chains per
+// accumulators within half the vector registers (a chunk at a time left `group` dependent FMA chains per
 // key, bound by the FMA's latency, and read every value row chunks times).
 template <typename V>
 constexpr int64_t value_width(int64_t chunks, int64_t group) {
@@ -120,7 +126,7 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
         continue;
       }
       const T* key = row(kp, l0 + b0 + j);
-      if (l0 + b0 + j + kAhead < l1) {  // the rows kAhead keys on, K and V (the values' pass reads them next)
+      if (l0 + b0 + j + kAhead < l1) {  // the rows kAhead keys on, K and V
         prefetch_row(row(kp, l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
         prefetch_row(row(vp, l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
       }

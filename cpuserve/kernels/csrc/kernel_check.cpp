@@ -621,7 +621,8 @@ void check_attention(const Variant& v, Rng& rng, int64_t n, int64_t hkv, int64_t
 }
 
 void check_attentions(const Variant& v, Rng& rng) {
-  for (int64_t d : {64, 128, 36, 30})  // 36: ymm's and zmm's portable loops, NEON's blocks; 30: none's blocks
+  // 36: ymm's and zmm's portable loops, NEON's blocks; 30: none's blocks; 48: zmm's blocks a chunk at a time
+  for (int64_t d : {64, 128, 36, 30, 48})
     for (int64_t group : {1, 3, 8})  // value_sums' widths: 4, 2 and 1 chunks at a time on ymm, 4 and 2 on zmm
       for (int64_t longest : {1, 5, 17, 300})
         for (bool paged : {false, true}) {
