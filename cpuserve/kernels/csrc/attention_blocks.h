@@ -5,8 +5,8 @@
 // transpose tree (V::sum_lanes) into the block's scores, with no horizontal sum per dot product.
 // Softmax with a vector exp. Values: up to 4 vectors of the head dimension at a time (value_sums).
 // Key and value rows are prefetched kAhead keys on while the keys are scored (a paged cache's blocks
-// are scattered). Long contexts with few (sequence, KV head)
-// jobs are split into parts over the threads and merged (the flash-decoding reduction).
+// are scattered). Long contexts with few (sequence, KV head) jobs are split into parts over the
+// threads and merged (the flash-decoding reduction).
 //
 // V provides: Vec, Mask, kLanes, kRegisters; zero, set1, add, sub, mul, max, fma(a, b, c) = a * b + c; load from
 // float / Bf16 / F16 / int8 (kLanes values widened to fp32), store; first(n) (the lanes below n),
@@ -53,6 +53,24 @@ inline typename V::Vec load_scaled(const T* p, float scale) {
 // pass instead, or into L2 only, measured slower (docs/benchmarks.md).
 constexpr int64_t kAhead = 16;
 
+// Where one job's cached rows are: (seq, head)'s K and V rows at key l of the sequence, through its
+// slots in a paged cache, and the position its int8 row scales are indexed by.
+template <typename T>
+struct JobRows {
+  const T* k;
+  const T* v;
+  const int64_t* slot;  // null: the contiguous cache, key l at position l
+  int64_t stride;       // elements from one position to the next
+  JobRows(const AttentionArgs& a, int64_t seq, int64_t head)
+      : k(static_cast<const T*>(a.k) + (a.slots ? 0 : seq * a.kb) + head * a.kh),
+        v(static_cast<const T*>(a.v) + (a.slots ? 0 : seq * a.kb) + head * a.kh),
+        slot(a.slots ? a.slots + seq * a.slot_stride : nullptr),
+        stride(a.ks) {}
+  int64_t position(int64_t l) const { return slot ? slot[l] : l; }
+  const T* key(int64_t l) const { return k + position(l) * stride; }
+  const T* value(int64_t l) const { return v + position(l) * stride; }
+};
+
 // Every 64-byte line of [p, p + bytes), wherever the row starts.
 inline void prefetch_row(const void* p, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
@@ -78,16 +96,14 @@ void value_sums(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, i
   using Vec = typename V::Vec;
   constexpr int64_t L = V::kLanes;
   const int64_t group = a.hq / a.hkv, d = a.d;
-  const T* vp = static_cast<const T*>(a.v) + (a.slots ? 0 : seq * a.kb) + head * a.kh;
-  const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+  const JobRows<T> rows(a, seq, head);
   for (int64_t c = 0; c < d / L; c += W) {
     Vec acc[kMaxGroup][W];
     for (int64_t g = 0; g < group; ++g)
       for (int64_t w = 0; w < W; ++w) acc[g][w] = V::zero();
     for (int64_t l = 0; l < count; ++l) {
-      const int64_t pos = slot ? slot[l0 + l] : l0 + l;
-      const T* value = vp + pos * a.ks + L * c;
-      const float vs = row_scale<T>(a.v_scale, a, seq, pos, head);
+      const T* value = rows.value(l0 + l) + L * c;
+      const float vs = row_scale<T>(a.v_scale, a, seq, rows.position(l0 + l), head);
       Vec v[W];
       for (int64_t w = 0; w < W; ++w) v[w] = load_scaled<V>(value + L * w, vs);
       for (int64_t g = 0; g < group; ++g) {
@@ -110,13 +126,8 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
   constexpr int64_t L = V::kLanes;
   const int64_t group = a.hq / a.hkv, d = a.d, chunks = d / L, count = l1 - l0;
   const int64_t stride = (count + L - 1) / L * L;
-  const T* kp = static_cast<const T*>(a.k);
-  const T* vp = static_cast<const T*>(a.v);
-  const int64_t base = (a.slots ? 0 : seq * a.kb) + head * a.kh;
-  const int64_t* slot = a.slots ? a.slots + seq * a.slot_stride : nullptr;
+  const JobRows<T> rows(a, seq, head);
   const float* qs = a.q + (seq * a.hq + head * group) * d;
-  auto position = [&](int64_t l) { return slot ? slot[l] : l; };
-  auto row = [&](const T* p, int64_t l) { return p + base + position(l) * a.ks; };
   alignas(64) float partial[kMaxGroup][L][L];
   for (int64_t b0 = 0; b0 < count; b0 += L) {
     const int64_t nb = std::min<int64_t>(L, count - b0);
@@ -125,10 +136,10 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
         for (int64_t g = 0; g < group; ++g) V::store(partial[g][j], V::zero());
         continue;
       }
-      const T* key = row(kp, l0 + b0 + j);
+      const T* key = rows.key(l0 + b0 + j);
       if (l0 + b0 + j + kAhead < l1) {  // the rows kAhead keys on, K and V
-        prefetch_row(row(kp, l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
-        prefetch_row(row(vp, l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
+        prefetch_row(rows.key(l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
+        prefetch_row(rows.value(l0 + b0 + j + kAhead), d * int64_t(sizeof(T)));
       }
       auto dots = [&](auto chunk) {  // each head's partial over the key row, chunk(c) its c-th vector
         for (int64_t g = 0; g < group; ++g) {
@@ -142,7 +153,7 @@ void part(const AttentionArgs& a, int64_t seq, int64_t head, int64_t l0, int64_t
         // read in place (converting it into an array first compiled to a memcpy a key)
         dots([&](int64_t c) { return V::load(key + L * c); });
       } else {  // converted once for the heads sharing it
-        const float ks = row_scale<T>(a.k_scale, a, seq, position(l0 + b0 + j), head);
+        const float ks = row_scale<T>(a.k_scale, a, seq, rows.position(l0 + b0 + j), head);
         Vec kv[kMaxHeadDim / L];
         for (int64_t c = 0; c < chunks; ++c) kv[c] = load_scaled<V>(key + L * c, ks);
         dots([&](int64_t c) { return kv[c]; });
