@@ -69,7 +69,8 @@ __attribute__((target(CPK_VNNI_TARGET), always_inline)) inline void group_values
                                                                                 __mmask16 live, __m512& s,
                                                                                 __m512& o) {
   if constexpr (!Groups::kStored) {
-    s = _mm512_maskz_loadu_ps(live, src.sp + i * kPanel * groups + g * run.width[i]);
+    src.request_next(run, i, groups, g);
+    s = _mm512_maskz_loadu_ps(live, src.group(run, i, groups, g));
   } else if (run.width[i] == kPanel) {
     scale_codes::group16(src.gs, src.at[i], g, sb, ob, s, o);
   } else {

@@ -133,7 +133,8 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void group_values
                                                                                      int64_t sb, int64_t ob,
                                                                                      __m256& s, __m256& o) {
   if constexpr (!Groups::kStored) {
-    s = load_scales_half(run, i, h, src.sp + i * kPanel * groups + g * run.width[i] + 8 * h);
+    if (h == 0) src.request_next(run, i, groups, g);
+    s = load_scales_half(run, i, h, src.group(run, i, groups, g) + 8 * h);
   } else if (run.width[i] == kPanel) {
     scale_codes::group8(src.gs, src.at[i], g, sb, ob, h, s, o);
   } else {

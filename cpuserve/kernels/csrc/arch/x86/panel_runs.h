@@ -101,6 +101,16 @@ __attribute__((always_inline)) inline void for_each_run(int64_t m, int64_t p0, i
 struct PlainGroups {
   static constexpr bool kStored = false;
   const float* sp;
+  int64_t ahead = 0;  // bytes from a panel's scales to the same panel's in the next run (0: no prefetching)
+  // Panel i's scales of group g (16 floats, one line), its next run's requested into L2 while decoding:
+  // left to demand loads, each group's four lines missed cache and stalled the stream (half the M = 1
+  // G128 block's samples sat on them; docs/benchmarks.md).
+  __attribute__((always_inline)) const float* group(const PanelRun& run, int i, int64_t groups, int64_t g) const {
+    return sp + i * kPanel * groups + g * run.width[i];
+  }
+  __attribute__((always_inline)) void request_next(const PanelRun& run, int i, int64_t groups, int64_t g) const {
+    if (ahead != 0) prefetch_l2(group(run, i, groups, g), ahead);
+  }
 };
 struct StoredGroups {
   static constexpr bool kStored = true;
@@ -150,7 +160,8 @@ template <typename Block>
 __attribute__((always_inline)) inline void with_groups(const LinearArgs& a, const PanelRun& run, int np, int64_t r,
                                                      const Block& block) {
   const float* sa = a.sa_groups ? a.sa + r * a.groups : a.sa + r;
-  if (a.direct == nullptr) return block(PlainGroups{a.sw + run.c0 * a.groups}, sa);
+  if (a.direct == nullptr)
+    return block(PlainGroups{a.sw + run.c0 * a.groups, run.ahead != 0 ? np * kPanel * a.groups * int64_t(sizeof(float)) : 0}, sa);
   StoredGroups src{*a.direct, {}, a.direct->offsets.values != nullptr};
   src.per = a.sa_per;
   src.mid = a.direct->fold_mid();
