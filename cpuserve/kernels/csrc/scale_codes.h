@@ -308,7 +308,8 @@ CPK_CODES_AVX2 inline void fold_supers8(const GroupScales& gs, const PanelAt& at
 // The same for half h (columns 8h .. 8h + 7) of a full panel: expand_panel_avx2's products.
 // Always inlined: left to GCC it stayed a call per group and half, its results passed back through
 // memory, and held a fifth of an AVX2 single-stream decode of the bundled Q4_1 model's samples
-// (inlined: +8-40% tok/s, docs/benchmarks.md). group16 inlined measured no gain on avx512_vnni.
+// (inlined: +8-40% tok/s, the avx2 variant on a Zen 5 host; docs/benchmarks.md). group16 inlined
+// measured no gain on avx512_vnni there.
 CPK_CODES_AVX2 __attribute__((always_inline)) inline void group8(const GroupScales& gs, const PanelAt& at, int64_t g,
                                                                  int64_t sb, int64_t ob, int h, __m256& s, __m256& o) {
   const GroupValues &sv = gs.scales, &ov = gs.offsets;

@@ -104,7 +104,7 @@ struct PlainGroups {
   int64_t ahead = 0;  // bytes from a panel's scales to the same panel's in the next run (0: no prefetching)
   // Panel i's scales of group g (16 floats, one line), its next run's requested into L2 while decoding:
   // left to demand loads, each group's four lines missed cache and stalled the stream (half the M = 1
-  // G128 block's samples sat on them; docs/benchmarks.md).
+  // G128 block's samples sat on them, avx512_vnni on a Zen 5 host; docs/benchmarks.md).
   __attribute__((always_inline)) const float* group(const PanelRun& run, int i, int64_t groups, int64_t g) const {
     return sp + i * kPanel * groups + g * run.width[i];
   }
