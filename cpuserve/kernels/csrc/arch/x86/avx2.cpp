@@ -69,6 +69,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void s8_group_block(const PanelR
   FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
+    request_group<P>(run, src, groups, g + 1);
     __m256i acc[R][P][2];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
@@ -112,6 +113,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);
   for (int64_t g = 0; g < groups; ++g) {
+    request_group<P>(run, src, groups, g + 1);
     __m256i acc[R][P][2];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)

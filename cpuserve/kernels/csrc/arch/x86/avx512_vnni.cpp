@@ -258,6 +258,7 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u8_group_block(const PanelR
   FoldAt at(A == kFold ? fold_per(src) : 1);
   Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
+    request_group<P>(run, src, groups, g + 1);
     __m512i acc[R][P];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
@@ -326,6 +327,7 @@ __attribute__((target(CPK_VNNI_TARGET))) inline void u4_panel_block(const PanelR
   FoldAt at(A == kFold ? fold_per(src) : 1);
   Streams<P> w(run);
   for (int64_t g = 0; g < groups; ++g) {
+    request_group<P>(run, src, groups, g + 1);
     __m512i acc[R][P];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)

@@ -59,6 +59,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u8_group_block(const Pa
   HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
+    request_group<P>(run, src, groups, g + 1);
     __m256i acc[R][P][2];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
@@ -90,6 +91,7 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
   HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   for (int64_t g = 0; g < groups; ++g) {
+    request_group<P>(run, src, groups, g + 1);
     __m256i acc[R][P][2];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
