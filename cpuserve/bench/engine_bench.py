@@ -114,9 +114,12 @@ def run_per_kv_cache_dtype(
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max(concurrencies), kv_cache_dtype=kv)
         engines[kv] = LLMEngine.from_model_dir(model_dir, config, dtype, machine=machine, model=model)
         model = engines[kv].model
+    gc.collect()  # as `serve` does after loading (server/serve.py)
+    gc.freeze()
     results = run_engine_benches(engines, concurrencies, new_tokens, prompt_words, repeats)
     model_dtype = str(next(iter(engines.values())).model.dtype).removeprefix("torch.")
     engines.clear()
+    gc.unfreeze()  # the engines' cycles collectable again
     gc.collect()
     return results, model_dtype
 

@@ -34,6 +34,12 @@ def main() -> None:
         model_dir = resolve_model(str(model_dir))
     model = load_model(model_dir, "auto", quantize_lm_head=head)
     load_s = time.perf_counter() - start
+    import gc
+
+    # As `serve` does after loading: the model's objects out of the collector's sight, so a
+    # collection during decode walks only what the steps allocate (2% of a 2B decode's samples here).
+    gc.collect()
+    gc.freeze()
     from cpuserve.quant.linear import Linear
 
     reference = [m for m in model.modules() if isinstance(m, Linear) and m.quant is not None and m.kernel is None]
