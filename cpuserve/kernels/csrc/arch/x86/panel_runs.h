@@ -126,7 +126,7 @@ struct StoredGroups {
 // Decode (run.ahead != 0): group g's scales, or codes and factors, of the run's P panels requested
 // into L1 while the group before it computes. The run-ahead request asks for them in L2, yet the
 // epilogue's loads still held the weight stream: the G128 M = 1 kernel streamed 83-89% of W8A8's
-// bytes a second, and 9-16% more with its scale loads pointed at one cached line (the same requests
+// bytes a second, and 9-17% more with its scale loads pointed at one cached line (the same requests
 // made). Requested a group ahead: G128 +3-5%, GGUF Q4_K and Q4_0 +8-13% when the memory was fast,
 // +0-4% when slow (avx512_vnni, Zen 5 host; docs/benchmarks.md).
 template <int P, typename Groups>
