@@ -116,10 +116,12 @@ def run_per_kv_cache_dtype(
         model = engines[kv].model
     gc.collect()  # as `serve` does after loading (server/serve.py)
     gc.freeze()
-    results = run_engine_benches(engines, concurrencies, new_tokens, prompt_words, repeats)
+    try:
+        results = run_engine_benches(engines, concurrencies, new_tokens, prompt_words, repeats)
+    finally:
+        gc.unfreeze()  # the engines' cycles collectable again, whatever happened
     model_dtype = str(next(iter(engines.values())).model.dtype).removeprefix("torch.")
     engines.clear()
-    gc.unfreeze()  # the engines' cycles collectable again
     gc.collect()
     return results, model_dtype
 

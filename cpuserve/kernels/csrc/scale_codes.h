@@ -219,23 +219,26 @@ inline int64_t code_bytes(Code code) { return code == Code::F32 ? 4 : code == Co
 // The line holding [p, p + bytes) requested (Hint: _MM_HINT_T0 into L1, T1 into L2) when p is the
 // line's first group of values: a panel's groups are consecutive, so the other groups on the line
 // came with it and asking again would only take a load slot.
-template <_mm_hint Hint>
-inline void prefetch_values(const void* p, int64_t bytes) {
-  if ((reinterpret_cast<uintptr_t>(p) & 63) < uintptr_t(bytes)) _mm_prefetch(static_cast<const char*>(p), Hint);
+// The address is made as an integer (a thread's last run asks past the end of the arrays: harmless
+// for a prefetch, a pointer formed there would not be).
+template <decltype(_MM_HINT_T0) Hint>
+inline void prefetch_values(const void* base, int64_t offset, int64_t bytes) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(base) + uintptr_t(offset);
+  if ((p & 63) < uintptr_t(bytes)) _mm_prefetch(reinterpret_cast<const char*>(p), Hint);
 }
 
 // Group g's values and factors of the panel at `at` requested: decode's kernels ask for the next
 // run's into L2 while this run computes (its code loads missed cache: the top samples of a Q4_K
 // block), and for this run's next group into L1 (panel_runs.h request_group).
-template <_mm_hint Hint = _MM_HINT_T1>
+template <decltype(_MM_HINT_T0) Hint = _MM_HINT_T1>
 inline void prefetch_group(const GroupScales& gs, const PanelAt& at, int64_t g, int64_t sb, int64_t ob) {
   const GroupValues &sv = gs.scales, &ov = gs.offsets;
-  const int64_t i = at.values + g * kPanel;
-  prefetch_values<Hint>(static_cast<const char*>(sv.values) + i * code_bytes(sv.code), kPanel * code_bytes(sv.code));
-  if (sv.super != nullptr) prefetch_values<Hint>(sv.super + at.scale_supers + sb * kPanel, kPanel * 2);
+  const int64_t i = at.values + g * kPanel, f = int64_t(sizeof(F16));
+  prefetch_values<Hint>(sv.values, i * code_bytes(sv.code), kPanel * code_bytes(sv.code));
+  if (sv.super != nullptr) prefetch_values<Hint>(sv.super, (at.scale_supers + sb * kPanel) * f, kPanel * f);
   if (ov.values == nullptr) return;
-  prefetch_values<Hint>(static_cast<const char*>(ov.values) + i * code_bytes(ov.code), kPanel * code_bytes(ov.code));
-  if (ov.super != nullptr) prefetch_values<Hint>(ov.super + at.offset_supers + ob * kPanel, kPanel * 2);
+  prefetch_values<Hint>(ov.values, i * code_bytes(ov.code), kPanel * code_bytes(ov.code));
+  if (ov.super != nullptr) prefetch_values<Hint>(ov.super, (at.offset_supers + ob * kPanel) * f, kPanel * f);
 }
 
 // Group g (super-blocks sb, ob: super_block) of a full panel into registers: its 16 scales s and, if

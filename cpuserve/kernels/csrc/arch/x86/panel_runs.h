@@ -124,11 +124,12 @@ struct StoredGroups {
 };
 
 // Decode (run.ahead != 0): group g's scales, or codes and factors, of the run's P panels requested
-// into L1 while the group before it computes. The run-ahead request asks for them in L2, yet the
-// epilogue's loads still held the weight stream: the G128 M = 1 kernel streamed 83-89% of W8A8's
+// into L1 while the group before it computes (a narrow last panel's stored codes, laid out by its
+// width, are left to the demand loads). The run-ahead request asks for them in L2, yet the
+// epilogue's loads still held the weight stream: the G128 M = 1 kernel streamed 83-88% of W8A8's
 // bytes a second, and 9-17% more with its scale loads pointed at one cached line (the same requests
-// made). Requested a group ahead: G128 +3-5%, GGUF Q4_K and Q4_0 +8-13% when the memory was fast,
-// +0-4% when slow (avx512_vnni, Zen 5 host; docs/benchmarks.md).
+// made). Requested a group ahead: G128 +1-5%, GGUF Q4_K and Q4_0 +8-13% when the memory was fast,
+// -3% to +4% when slow (avx512_vnni, Zen 5 host; docs/benchmarks.md).
 template <int P, typename Groups>
 __attribute__((always_inline)) inline void request_group(const PanelRun& run, const Groups& src, int64_t groups,
                                                          int64_t g) {
@@ -136,7 +137,8 @@ __attribute__((always_inline)) inline void request_group(const PanelRun& run, co
   if constexpr (Groups::kStored) {
     const int64_t sb = scale_codes::super_block(src.gs.scales, g), ob = scale_codes::super_block(src.gs.offsets, g);
     #pragma GCC unroll 8
-    for (int i = 0; i < P; ++i) scale_codes::prefetch_group<_MM_HINT_T0>(src.gs, src.at[i], g, sb, ob);
+    for (int i = 0; i < P; ++i)
+      if (run.width[i] == kPanel) scale_codes::prefetch_group<_MM_HINT_T0>(src.gs, src.at[i], g, sb, ob);
   } else {
     #pragma GCC unroll 8
     for (int i = 0; i < P; ++i) _mm_prefetch(reinterpret_cast<const char*>(src.group(run, i, groups, g)), _MM_HINT_T0);
