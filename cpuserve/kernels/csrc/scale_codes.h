@@ -216,15 +216,20 @@ CPK_CODES_AVX2 inline void expand_panel_avx2(const GroupScales& gs, int64_t grou
 
 inline int64_t code_bytes(Code code) { return code == Code::F32 ? 4 : code == Code::F16 ? 2 : 1; }
 
-// The line holding [p, p + bytes) requested (Hint: _MM_HINT_T0 into L1, T1 into L2) when p is the
-// line's first group of values: a panel's groups are consecutive, so the other groups on the line
-// came with it and asking again would only take a load slot.
-// The address is made as an integer (a thread's last run asks past the end of the arrays: harmless
-// for a prefetch, a pointer formed there would not be).
+// The line at base + offset bytes requested (Hint: _MM_HINT_T0 into L1, T1 into L2). The address is
+// made as an integer: decode's requests run past the end of their arrays (a thread's last run asks
+// for the next one's), harmless for a prefetch, where a pointer formed there would not be.
+template <decltype(_MM_HINT_T0) Hint>
+__attribute__((always_inline)) inline void prefetch_at(const void* base, int64_t offset) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + uintptr_t(offset)), Hint);
+}
+
+// The same when base + offset is the line's first group of values (groups of `bytes` each): a panel's
+// groups are consecutive, so the other groups on the line came with it and asking again would only
+// take a load slot.
 template <decltype(_MM_HINT_T0) Hint>
 inline void prefetch_values(const void* base, int64_t offset, int64_t bytes) {
-  const uintptr_t p = reinterpret_cast<uintptr_t>(base) + uintptr_t(offset);
-  if ((p & 63) < uintptr_t(bytes)) _mm_prefetch(reinterpret_cast<const char*>(p), Hint);
+  if (((reinterpret_cast<uintptr_t>(base) + uintptr_t(offset)) & 63) < uintptr_t(bytes)) prefetch_at<Hint>(base, offset);
 }
 
 // Group g's values and factors of the panel at `at` requested: decode's kernels ask for the next

@@ -48,11 +48,10 @@ inline PanelRun panel_run(const uint8_t* pw, int64_t bytes_per_column, int64_t n
 // Decode (few rows, one pass over the weights): step j of panel i of the next run, requested into L2
 // while this run computes. The demand loads alone kept too few misses in flight: the int8 output
 // head of the bundled model streamed at ~20 GB/s without, ~34 with (the measured read bandwidth);
-// into L1, or half a run ahead, gained less (docs/benchmarks.md).
-// The address is made as an integer: a thread's last run prefetches past the end of the weight
-// (harmless for a prefetch; a pointer formed there would not be).
+// into L1, or half a run ahead, gained less (docs/benchmarks.md). The address is made as an integer
+// (scale_codes::prefetch_at): a thread's last run asks past the end of the weight.
 __attribute__((always_inline)) inline void prefetch_l2(const void* p, int64_t bytes) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes)), _MM_HINT_T1);
+  scale_codes::prefetch_at<_MM_HINT_T1>(p, bytes);
 }
 __attribute__((always_inline)) inline void prefetch_ahead(const PanelRun& run, int i, int64_t j) {
   if (run.ahead != 0) prefetch_l2(run.base[i] + j * run.step[i], run.ahead);
