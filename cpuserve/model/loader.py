@@ -25,6 +25,7 @@ from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
 from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbedding, WidenedEmbedding
 from cpuserve.model.source import ModelSource
+from cpuserve.model.weight_pages import thp_mode, weight_pages
 from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.gguf_blocks import DECODE_CHUNK_WEIGHTS
@@ -183,6 +184,11 @@ def load_model(
         pack_float = os.environ.get("CPUSERVE_NATIVE_FLOAT", "1") != "0"
     kernel = select_kernel() if qc is not None or quantize_lm_head or pack_float else None
     dense_kernel = kernel if pack_float else None
+    pages = weight_pages() if kernel is not None else None  # each linear moved into them once packed
+
+    def settle(layer: Linear) -> None:
+        if pages is not None:
+            pages.settle(layer)
 
     state: dict[str, torch.Tensor] = {}
     with src.checkpoint as ckpt:
@@ -242,6 +248,7 @@ def load_model(
         head_weight = None  # an untied float head to be quantized: as stored, read once
         for name, layer in linears.items():
             if _loaded_in_slices(layer, shards[name], ckpt, kernel):
+                settle(layer)
                 bar.update()
                 continue
             if name == "lm_head" and quantize_lm_head and layer.quant is None:  # (the head has no bias)
@@ -255,6 +262,7 @@ def load_model(
                     bias = f"{prefix}.bias"
                     layer.load_bias(i, fetch_float(ckpt, bias, tensors[bias]))
             layer.method.process_weights_after_loading(layer, kernel if layer.quant else dense_kernel)  # once
+            settle(layer)
             bar.update()
         bar.close()
     if from_head:
@@ -277,9 +285,13 @@ def load_model(
         model.lm_head = _quantized_lm_head(model.lm_head, quantize_lm_head, torch_dtype, kernel, head_weight)
         head_weight = None
         linears["lm_head"] = model.lm_head
+        settle(model.lm_head)
     elif spec.tie_word_embeddings and dense_kernel is not None:  # the head's own panels; the embedding stays
         model.lm_head.method.process_weights_after_loading(model.lm_head, dense_kernel)
         linears["lm_head"] = model.lm_head
+        settle(model.lm_head)
+    if pages is not None:
+        log.info("packed weights: %s (transparent huge pages: %s)", pages.summary(), thp_mode())
     dense = [m for m in linears.values() if m.quant is None]
     if dense:
         kinds = sorted({m.method.storage(m) for m in dense})

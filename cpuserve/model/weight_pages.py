@@ -1,0 +1,167 @@
+"""Packed weights moved into 2 MB pages (transparent huge pages).
+
+A decode step streams every packed weight once. Left where torch allocated them, in 4 KB pages, the
+stream crosses a page every 64 cache lines, each a TLB miss and a page walk competing with the
+weight loads. Moved into an anonymous mapping advised MADV_HUGEPAGE, one TLB entry covers 2 MB:
+single-stream decode ran 2-5% faster in one process (docs/benchmarks.md, "Weights in 2 MB pages").
+llama.cpp's weights stay in the file's 4 KB page-cache pages.
+
+Each layer is moved as soon as its method has packed it (model/loader.py). A tensor under 32 MB is
+copied into chunks of 64 MB filled in turn (a chunk lives as long as some tensor in it does); a
+larger one stays where it is and the kernel collapses its 2 MB-aligned interior into huge pages in
+place (MADV_COLLAPSE, Linux 6.1+): copied, an output head's two copies at once raised a load's
+peak RSS by the head's size (+197 MB for the 2B shape's). Only tensors that own their whole storage,
+allocated by torch and referenced by nothing else, move: a view, a tensor mapped from a file or
+one some other object shares keeps its place (moving it would leave the old copy alive). The bits
+do not change, only where they live. CPUSERVE_HUGE_PAGES=0 leaves every tensor in 4 KB pages (A/B).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cpuserve.platform.sysfs import SystemFiles
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+CHUNK = 64 << 20  # bytes a chunk holds: a few of the 2B shape's largest linears
+IN_PLACE = CHUNK // 2  # tensors from this size on are collapsed where they are, not copied
+MADV_COLLAPSE = 25  # linux/mman.h (Python's mmap module names it from 3.13 on)
+ALIGN = 64  # each tensor on a cache line, as torch's allocator places it
+MIN_BYTES = 4096  # smaller tensors (norm weights, biases) are not streamed enough to matter
+THP_ENABLED = "sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(files: SystemFiles | None = None) -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never), None where it has none."""
+    text = (files or SystemFiles()).read(THP_ENABLED)
+    chosen = re.search(r"\[(\w+)\]", text or "")
+    return chosen.group(1) if chosen else None
+
+
+def _off_reason(mode: str | None) -> str | None:
+    """Why weights stay in 4 KB pages, or None when they move."""
+    if os.environ.get("CPUSERVE_HUGE_PAGES", "1") == "0":
+        return "CPUSERVE_HUGE_PAGES=0"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "no MADV_HUGEPAGE on this system"
+    if mode is None:
+        return "the kernel has no transparent huge pages"
+    if mode == "never":
+        return "transparent huge pages are off (never)"
+    return None
+
+
+@dataclass
+class _Chunk:
+    bytes: torch.Tensor  # uint8, starting on a 2 MB boundary; keeps its mapping alive
+    used: int = 0
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """Whether t alone owns its whole storage, one torch allocated (not a file mapping or a view)."""
+    if t.device.type != "cpu" or t.is_meta or not t.is_contiguous() or t.storage_offset() != 0:
+        return False
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if nbytes < MIN_BYTES or storage.nbytes() != nbytes or not storage.resizable():
+        return False
+    # 2: t and the storage object just made; a view or another tensor on it adds one
+    return torch._C._storage_Use_Count(storage._cdata) == 2
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """libc madvise on a range of this process: 0, or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return 0 if libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
+
+
+class WeightPages:
+    """Where one model's packed weights live: chunks of anonymous memory advised MADV_HUGEPAGE, and
+    large tensors collapsed into huge pages in place."""
+
+    def __init__(self) -> None:
+        self._chunk: _Chunk | None = None
+        self.moved_bytes = 0
+        self.moved_tensors = 0
+        self.collapse_error = 0  # the errno of the last collapse that failed (0: none failed)
+
+    @staticmethod
+    def _region(size: int) -> _Chunk:
+        region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: the faults then take 2 MB pages
+        whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while any view lives
+        start = -whole.data_ptr() % HUGE_PAGE
+        return _Chunk(whole[start : start + size])
+
+    def _place(self, nbytes: int) -> torch.Tensor:
+        if self._chunk is None or self._chunk.used + nbytes > CHUNK:
+            self._chunk = self._region(CHUNK)
+        at = self._chunk.used
+        self._chunk.used = -(-(at + nbytes) // ALIGN) * ALIGN
+        return self._chunk.bytes[at : at + nbytes]
+
+    def _collapse(self, address: int, nbytes: int) -> bool:
+        """The 2 MB pages inside [address, address + nbytes) made huge where they are."""
+        start, end = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+        _madvise(start, end - start, mmap.MADV_HUGEPAGE)  # khugepaged keeps them so
+        error = _madvise(start, end - start, MADV_COLLAPSE)
+        if error:
+            self.collapse_error = error
+        return error == 0
+
+    def move(self, t: torch.Tensor) -> bool:
+        """t's values into huge pages (every holder of t sees them); False if they stay in 4 KB pages."""
+        if not _movable(t):
+            return False
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= IN_PLACE:
+            if not self._collapse(t.data_ptr(), nbytes):
+                return False
+            self.moved_bytes += nbytes
+            self.moved_tensors += 1
+            return True
+        dst = self._place(nbytes).view(t.dtype).view(t.shape)
+        with torch.no_grad():
+            dst.copy_(t)
+            t.set_(dst)
+        self.moved_bytes += nbytes
+        self.moved_tensors += 1
+        return True
+
+    def summary(self) -> str:
+        """What the load's log says about the pages."""
+        text = f"{self.moved_bytes / 1e6:.0f} MB ({self.moved_tensors} tensors) in 2 MB pages"
+        if self.collapse_error:
+            text += f"; tensors of {IN_PLACE >> 20} MB or more left in 4 KB pages: MADV_COLLAPSE failed"
+            text += f" ({errno.errorcode.get(self.collapse_error, self.collapse_error)}; Linux 6.1+ has it)"
+        return text
+
+    def settle(self, layer: nn.Module) -> None:
+        """Every tensor layer itself holds (attributes, buffers, parameters; not its children's)."""
+        seen: set[int] = set()
+        for t in [*vars(layer).values(), *layer._buffers.values(), *layer._parameters.values()]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                self.move(t)
+
+
+def weight_pages() -> WeightPages | None:
+    """A model load's WeightPages, or None (the reason logged) when weights stay in 4 KB pages."""
+    mode = thp_mode()
+    reason = _off_reason(mode)
+    if reason is not None:
+        log.info("packed weights stay in 4 KB pages: %s", reason)
+        return None
+    return WeightPages()

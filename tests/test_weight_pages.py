@@ -1,0 +1,147 @@
+"""Packed weights moved into 2 MB pages (model/weight_pages.py): the same values in place, only
+tensors that own their storage, mappings advised MADV_HUGEPAGE, and a loaded model's logits
+unchanged by the move."""
+
+from __future__ import annotations
+
+import mmap
+import platform
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpuserve.model import weight_pages
+from cpuserve.model.weight_pages import HUGE_PAGE, IN_PLACE, WeightPages, thp_mode
+from cpuserve.platform.sysfs import SystemFiles
+
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this system")
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process that holds address."""
+    text = Path("/proc/self/smaps").read_text()
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        start, end = (int(x, 16) for x in block.split()[0].split("-"))
+        if start <= address < end:
+            return re.search(r"VmFlags:(.*)", block).group(1).split()
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+    ],
+)
+def test_thp_mode_reads_the_bracketed_choice(tmp_path: Path, text: str, mode: str) -> None:
+    f = tmp_path / "sys/kernel/mm/transparent_hugepage/enabled"
+    f.parent.mkdir(parents=True)
+    f.write_text(text)
+    assert thp_mode(SystemFiles(tmp_path)) == mode
+
+
+def test_no_thp_file_is_none(tmp_path: Path) -> None:
+    assert thp_mode(SystemFiles(tmp_path)) is None
+
+
+def test_off_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CPUSERVE_HUGE_PAGES", "0")
+    assert weight_pages._off_reason("madvise") == "CPUSERVE_HUGE_PAGES=0"
+    monkeypatch.delenv("CPUSERVE_HUGE_PAGES")
+    assert weight_pages._off_reason("never") == "transparent huge pages are off (never)"
+    assert weight_pages._off_reason(None) == "the kernel has no transparent huge pages"
+    assert weight_pages._off_reason("madvise") is None
+    assert weight_pages._off_reason("always") is None
+
+
+def test_a_moved_tensor_keeps_its_values_in_an_advised_2mb_aligned_chunk() -> None:
+    pages = WeightPages()
+    a = torch.randn(300, 70)
+    b = torch.randint(0, 255, (5000,), dtype=torch.uint8)
+    a_ref, b_ref, a_ptr = a.clone(), b.clone(), a.data_ptr()
+    assert pages.move(a) and pages.move(b)
+    assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
+    assert a.data_ptr() != a_ptr
+    assert a.data_ptr() % HUGE_PAGE == 0  # a chunk's first tensor starts its first 2 MB page
+    assert b.data_ptr() == a.data_ptr() + (300 * 70 * 4 + 63) // 64 * 64  # the next cache line after a
+    assert "hg" in _mapping_flags(a.data_ptr())  # MADV_HUGEPAGE
+    assert pages.moved_tensors == 2 and pages.moved_bytes == 300 * 70 * 4 + 5000
+    assert not pages.move(a)  # already there
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    found = re.match(r"(\d+)\.(\d+)", platform.release())
+    return found is not None and (int(found.group(1)), int(found.group(2))) >= (major, minor)
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping that holds address."""
+    text = Path("/proc/self/smaps").read_text()
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        start, end = (int(x, 16) for x in block.split()[0].split("-"))
+        if start <= address < end:
+            return int(re.search(r"AnonHugePages:\s+(\d+)", block).group(1))
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_large_tensor_is_collapsed_where_it_is() -> None:
+    """From IN_PLACE bytes on, no second copy: the 2 MB pages inside the tensor become huge in place
+    (MADV_COLLAPSE, Linux 6.1+); small tensors still go to the chunk."""
+    pages = WeightPages()
+    large = torch.arange(IN_PLACE // 4 + 3 * HUGE_PAGE // 4 + 16, dtype=torch.int32)
+    expected, where = large.clone(), large.data_ptr()
+    moved = pages.move(large)
+    assert large.data_ptr() == where and torch.equal(large, expected)
+    if not _kernel_at_least(6, 1) and not moved:
+        pytest.skip(f"MADV_COLLAPSE failed on Linux {platform.release()} (6.1+ has it)")
+    assert moved and pages.collapse_error == 0
+    interior = (where + large.numel() * 4) // HUGE_PAGE * HUGE_PAGE - -(-where // HUGE_PAGE) * HUGE_PAGE
+    assert _anon_huge_kb(where + HUGE_PAGE) * 1024 >= interior  # every whole 2 MB page inside it
+    small = torch.ones(2048)
+    assert pages.move(small) and small.data_ptr() % HUGE_PAGE == 0
+    assert pages.moved_tensors == 2 and pages.moved_bytes == large.numel() * 4 + 2048 * 4
+
+
+def test_views_shared_file_mapped_and_tiny_tensors_stay() -> None:
+    pages = WeightPages()
+    base = torch.randn(64, 64)
+    view = base[8:]
+    shared = torch.randn(4096)
+    holder = shared.view(64, 64)  # another tensor on the same storage: moving would keep two copies
+    region = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapped = torch.frombuffer(region, dtype=torch.uint8)
+    tiny = torch.randn(16)
+    before = {
+        name: t.data_ptr() for name, t in [("view", view), ("shared", shared), ("mapped", mapped), ("tiny", tiny)]
+    }
+    assert not pages.move(view) and not pages.move(shared) and not pages.move(mapped) and not pages.move(tiny)
+    after = {name: t.data_ptr() for name, t in [("view", view), ("shared", shared), ("mapped", mapped), ("tiny", tiny)]}
+    assert after == before and holder.data_ptr() == shared.data_ptr()
+    assert pages.moved_tensors == 0
+
+
+def test_a_loaded_models_logits_are_the_same_in_either_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled GGUF on the native kernels, loaded with and without the move: the same logits
+    bit for bit, and its packed weights in advised mappings only when moved."""
+    from cpuserve.model.loader import load_model
+    from cpuserve.model.resolve import resolve_model
+    from cpuserve.quant.linear import Linear
+
+    ids = torch.tensor([[1, 4093, 314, 253, 3575, 282, 4649, 30]])
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("CPUSERVE_HUGE_PAGES", flag)
+        model = load_model(resolve_model(None), "auto")
+        packed = [m.packed for m in model.modules() if isinstance(m, Linear) and getattr(m, "packed", None) is not None]
+        assert len(packed) >= 4 * model.spec.num_layers
+        flags = ["hg" in _mapping_flags(t.data_ptr()) for t in packed]
+        cache = model.new_cache(1, 16, None)
+        runs[flag] = (model.logits(model.hidden_states(ids, cache)[:, -1]), flags)
+    assert torch.equal(runs["0"][0], runs["1"][0])
+    assert not any(runs["0"][1])
+    if thp_mode() in ("always", "madvise"):
+        assert all(runs["1"][1])
