@@ -291,7 +291,11 @@ def load_model(
         linears["lm_head"] = model.lm_head
         settle(model.lm_head)
     if pages is not None:
-        log.info("packed weights: %s (transparent huge pages: %s)", pages.summary(), thp_mode())
+        log.info(
+            "packed weights: %s (transparent huge pages: %s; CPUSERVE_HUGE_PAGES=0 keeps 4 KB pages)",
+            pages.summary(),
+            thp_mode(),
+        )
     dense = [m for m in linears.values() if m.quant is None]
     if dense:
         kinds = sorted({m.method.storage(m) for m in dense})

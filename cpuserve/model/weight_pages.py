@@ -3,8 +3,10 @@
 A decode step streams every packed weight once. Left where torch allocated them, in 4 KB pages, the
 stream crosses a page every 64 cache lines, each a TLB miss and a page walk competing with the
 weight loads. Moved into an anonymous mapping advised MADV_HUGEPAGE, one TLB entry covers 2 MB:
-single-stream decode ran 2-5% faster in one process (docs/benchmarks.md, "Weights in 2 MB pages").
-llama.cpp's weights stay in the file's 4 KB page-cache pages.
+single-stream decode ran 2-6% faster in one process (docs/benchmarks.md, "Packed weights in 2 MB
+pages"). llama.cpp's weights stay in the file's 4 KB page-cache pages. The price is paid at load: the
+kernel faults in and zeroes each 2 MB page, slow where a VM backs guest memory lazily (the 2B shape's
+1.3 GB took 2 s more on a Firecracker guest, the bundled model 0.15 s); the log says how long.
 
 Each layer is moved as soon as its method has packed it (model/loader.py). A tensor under 32 MB is
 copied into chunks of 64 MB filled in turn (a chunk lives as long as some tensor in it does); a
@@ -24,6 +26,7 @@ import logging
 import mmap
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +99,7 @@ class WeightPages:
         self.moved_bytes = 0
         self.moved_tensors = 0
         self.collapse_error = 0  # the errno of the last collapse that failed (0: none failed)
+        self.seconds = 0.0  # the load's time spent moving: faulting in huge pages is the kernel's work
 
     @staticmethod
     def _region(size: int) -> _Chunk:
@@ -125,24 +129,29 @@ class WeightPages:
         """t's values into huge pages (every holder of t sees them); False if they stay in 4 KB pages."""
         if not _movable(t):
             return False
+        started = time.perf_counter()
+        try:
+            return self._move(t)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _move(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
         if nbytes >= IN_PLACE:
             if not self._collapse(t.data_ptr(), nbytes):
                 return False
-            self.moved_bytes += nbytes
-            self.moved_tensors += 1
-            return True
-        dst = self._place(nbytes).view(t.dtype).view(t.shape)
-        with torch.no_grad():
-            dst.copy_(t)
-            t.set_(dst)
+        else:
+            dst = self._place(nbytes).view(t.dtype).view(t.shape)
+            with torch.no_grad():
+                dst.copy_(t)
+                t.set_(dst)
         self.moved_bytes += nbytes
         self.moved_tensors += 1
         return True
 
     def summary(self) -> str:
         """What the load's log says about the pages."""
-        text = f"{self.moved_bytes / 1e6:.0f} MB ({self.moved_tensors} tensors) in 2 MB pages"
+        text = f"{self.moved_bytes / 1e6:.0f} MB ({self.moved_tensors} tensors) in 2 MB pages, {self.seconds:.1f} s"
         if self.collapse_error:
             text += f"; tensors of {IN_PLACE >> 20} MB or more left in 4 KB pages: MADV_COLLAPSE failed"
             text += f" ({errno.errorcode.get(self.collapse_error, self.collapse_error)}; Linux 6.1+ has it)"
