@@ -5,8 +5,9 @@ stream crosses a page every 64 cache lines, each a TLB miss and a page walk comp
 weight loads. Moved into an anonymous mapping advised MADV_HUGEPAGE, one TLB entry covers 2 MB:
 single-stream decode ran 2-6% faster in one process (docs/benchmarks.md, "Packed weights in 2 MB
 pages"). llama.cpp's weights stay in the file's 4 KB page-cache pages. The price is paid at load: the
-kernel faults in and zeroes each 2 MB page, slow where a VM backs guest memory lazily (the 2B shape's
-1.3 GB took 2 s more on a Firecracker guest, the bundled model 0.15 s); the log says how long.
+kernel faults in and zeroes each 2 MB page, slow where a VM backs guest memory lazily (on a
+Firecracker guest the 2B shape's W4A8 1.3 GB took 2 s more, its W8A8 2.5 GB 5 s, the bundled model
+0.15 s); the log says how long.
 
 Each layer is moved as soon as its method has packed it (model/loader.py). A tensor under 32 MB is
 copied into chunks of 64 MB filled in turn (a chunk lives as long as some tensor in it does); a
