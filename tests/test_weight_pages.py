@@ -5,6 +5,7 @@ unchanged by the move."""
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import platform
 import re
@@ -170,10 +171,12 @@ def test_settle_moves_what_the_layer_itself_holds_once() -> None:
 
 
 def test_a_loaded_models_logits_are_the_same_in_either_pages(
-    monkeypatch: pytest.MonkeyPatch, kernels, cache_dir: Path
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kernels, cache_dir: Path
 ) -> None:
     """The bundled GGUF on the native kernels, loaded with and without the move: the same logits
-    bit for bit, and its packed weights in advised mappings only when moved."""
+    bit for bit; moved, every packed weight in an advised mapping. (Not moved, the log says so;
+    their mappings are not checked: in a long test process glibc can place them in memory some
+    earlier madvise left advised.)"""
     from cpuserve.model.loader import load_model
     from cpuserve.model.resolve import resolve_model
     from cpuserve.quant.linear import Linear
@@ -182,7 +185,14 @@ def test_a_loaded_models_logits_are_the_same_in_either_pages(
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("CPUSERVE_HUGE_PAGES", flag)
-        model = load_model(resolve_model(None, str(cache_dir)), "auto")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cpuserve"):
+            model = load_model(resolve_model(None, str(cache_dir)), "auto")
+        said = [r.getMessage() for r in caplog.records if "packed weights" in r.getMessage()]
+        if flag == "0":
+            assert said == ["packed weights stay where torch allocated them: CPUSERVE_HUGE_PAGES=0"]
+        else:
+            assert len(said) == 1 and re.match(r"packed weights: \d+ MB \(\d+ tensors\) moved in", said[0])
         packed = [m.packed for m in model.modules() if isinstance(m, Linear) and getattr(m, "packed", None) is not None]
         assert len(packed) >= 4 * model.spec.num_layers
         # a tensor collapsed in place is advised from its first whole 2 MB page on
@@ -194,6 +204,5 @@ def test_a_loaded_models_logits_are_the_same_in_either_pages(
         cache = model.new_cache(1, 16, None)
         runs[flag] = (model.logits(model.hidden_states(ids, cache)[:, -1]), flags)
     assert torch.equal(runs["0"][0], runs["1"][0])
-    assert not any(runs["0"][1])
     if thp_mode() in ("always", "madvise"):
         assert all(runs["1"][1])
