@@ -23,14 +23,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _mapping_flags(address: int) -> list[str]:
-    """VmFlags of the mapping of this process that holds address."""
+def _mapping(address: int) -> str:
+    """The /proc/self/smaps block of the mapping that holds address."""
     text = Path("/proc/self/smaps").read_text()
     for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
         start, end = (int(x, 16) for x in block.split()[0].split("-"))
         if start <= address < end:
-            return re.search(r"VmFlags:(.*)", block).group(1).split()
+            return block
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """VmFlags of the mapping that holds address."""
+    return re.search(r"VmFlags:(.*)", _mapping(address)).group(1).split()
 
 
 @pytest.mark.parametrize(
@@ -86,12 +91,7 @@ def _kernel_at_least(major: int, minor: int) -> bool:
 
 def _anon_huge_kb(address: int) -> int:
     """AnonHugePages (kB) of the mapping that holds address."""
-    text = Path("/proc/self/smaps").read_text()
-    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
-        start, end = (int(x, 16) for x in block.split()[0].split("-"))
-        if start <= address < end:
-            return int(re.search(r"AnonHugePages:\s+(\d+)", block).group(1))
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return int(re.search(r"AnonHugePages:\s+(\d+)", _mapping(address)).group(1))
 
 
 def test_a_large_tensor_is_collapsed_where_it_is() -> None:

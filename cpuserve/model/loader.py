@@ -25,7 +25,7 @@ from cpuserve.model.decoder import CausalLM
 from cpuserve.model.linears import LinearFactory
 from cpuserve.model.quantized_embedding import HeadRowsEmbedding, QuantizedEmbedding, WidenedEmbedding
 from cpuserve.model.source import ModelSource
-from cpuserve.model.weight_pages import thp_mode, weight_pages
+from cpuserve.model.weight_pages import weight_pages
 from cpuserve.platform.compute_dtype import DtypeChoice, host_auto_dtype
 from cpuserve.quant.config import WeightQuant
 from cpuserve.quant.gguf_blocks import DECODE_CHUNK_WEIGHTS
@@ -291,11 +291,7 @@ def load_model(
         linears["lm_head"] = model.lm_head
         settle(model.lm_head)
     if pages is not None:
-        log.info(
-            "packed weights: %s (transparent huge pages: %s; CPUSERVE_HUGE_PAGES=0 keeps 4 KB pages)",
-            pages.summary(),
-            thp_mode(),
-        )
+        log.info("packed weights: %s; CPUSERVE_HUGE_PAGES=0 keeps 4 KB pages", pages.summary())
     dense = [m for m in linears.values() if m.quant is None]
     if dense:
         kinds = sorted({m.method.storage(m) for m in dense})

@@ -3,11 +3,11 @@
 A decode step streams every packed weight once. Left where torch allocated them, in 4 KB pages, the
 stream crosses a page every 64 cache lines, each a TLB miss and a page walk competing with the
 weight loads. Moved into an anonymous mapping advised MADV_HUGEPAGE, one TLB entry covers 2 MB:
-single-stream decode ran 2-6% faster in one process (docs/benchmarks.md, "Packed weights in 2 MB
-pages"). llama.cpp's weights stay in the file's 4 KB page-cache pages. The price is paid at load: the
-kernel faults in and zeroes each 2 MB page, slow where a VM backs guest memory lazily (on a
-Firecracker guest the 2B shape's W4A8 1.3 GB took 2 s more, its W8A8 2.5 GB 5 s, the bundled model
-0.15 s); the log says how long.
+single-stream decode ran 2-6% faster in one process (avx512_vnni, a Zen 5 host; docs/benchmarks.md,
+"Packed weights in 2 MB pages"). llama.cpp's weights stay in the file's 4 KB page-cache pages.
+The price is paid at load: the kernel faults in and zeroes each 2 MB page, slow where a VM backs
+guest memory lazily (on a Firecracker guest the 2B shape's W4A8 1.3 GB took 2 s more, its W8A8
+2.5 GB 5 s, the bundled model 0.15 s); the log says how long.
 
 Each layer is moved as soon as its method has packed it (model/loader.py): every tensor of 4 KB or
 more the linear holds (packed weights, scales, biases; whatever its method keeps). A tensor under 32 MB is
@@ -48,7 +48,7 @@ CHUNK = 64 << 20  # bytes a chunk holds: a few of the 2B shape's largest linears
 IN_PLACE = CHUNK // 2  # tensors from this size on are collapsed where they are, not copied
 MADV_COLLAPSE = 25  # linux/mman.h (Python's mmap module names it from 3.13 on)
 ALIGN = 64  # each tensor on a cache line, as torch's allocator places it
-MIN_BYTES = 4096  # smaller tensors (norm weights, biases) are not streamed enough to matter
+MIN_BYTES = 4096  # a smaller tensor lies within one 4 KB page: nothing to gain
 THP_ENABLED = "sys/kernel/mm/transparent_hugepage/enabled"
 THP_SIZE = "sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 
@@ -81,6 +81,10 @@ def _off_reason(mode: str | None, huge_page: int | None) -> str | None:
 class _Chunk:
     bytes: torch.Tensor  # uint8, starting on a 2 MB boundary; keeps its mapping alive
     used: int = 0
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 def _movable(t: torch.Tensor) -> bool:
@@ -130,7 +134,8 @@ class WeightPages:
     """Where one model's packed weights live: chunks of anonymous memory advised MADV_HUGEPAGE, and
     large tensors collapsed into huge pages in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = mode  # the kernel's THP mode, for the log
         self._chunk: _Chunk | None = None
         self.moved_bytes = 0
         self.moved_tensors = 0
@@ -151,12 +156,12 @@ class WeightPages:
         if self._chunk is None or self._chunk.used + nbytes > CHUNK:
             self._chunk = self._region(CHUNK)
         at = self._chunk.used
-        self._chunk.used = -(-(at + nbytes) // ALIGN) * ALIGN
+        self._chunk.used = _round_up(at + nbytes, ALIGN)
         return self._chunk.bytes[at : at + nbytes]
 
     def _collapse(self, address: int, nbytes: int) -> bool:
         """The 2 MB pages inside [address, address + nbytes) made huge where they are."""
-        start, end = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+        start, end = _round_up(address, HUGE_PAGE), (address + nbytes) // HUGE_PAGE * HUGE_PAGE
         _madvise(start, end - start, mmap.MADV_HUGEPAGE)  # khugepaged keeps them so
         error = _madvise(start, end - start, MADV_COLLAPSE)
         if error:
@@ -196,7 +201,7 @@ class WeightPages:
         huge = max(0, _anon_huge_bytes() - self._huge_before)
         text = (
             f"{self.moved_bytes / 1e6:.0f} MB ({self.moved_tensors} tensors) moved in {self.seconds:.1f} s,"
-            f" {huge / 1e6:.0f} MB more of the process in huge pages"
+            f" {huge / 1e6:.0f} MB more of the process in huge pages (transparent huge pages: {self.mode})"
         )
         for error, count in sorted(self.collapse_errors.items()):
             text += f"; {count} tensor(s) of {IN_PLACE >> 20} MB or more left in place: MADV_COLLAPSE failed"
@@ -226,4 +231,4 @@ def weight_pages() -> WeightPages | None:
     if reason is not None:
         log.info("packed weights stay where torch allocated them: %s", reason)
         return None
-    return WeightPages()
+    return WeightPages(mode)
