@@ -12,6 +12,10 @@ from cpuserve.model.resolve import converted_bundled
 
 torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite loads models hundreds of times (here and in the servers it starts). Moving packed weights
+# into 2 MB pages costs ~5 ms a fresh huge page on a VM that backs guest memory lazily (the fast
+# subset 73 -> 83 s), and changes no bit: tests/test_weight_pages.py turns it on where it checks it.
+os.environ.setdefault("CPUSERVE_HUGE_PAGES", "0")
 
 
 @pytest.fixture(scope="module")
