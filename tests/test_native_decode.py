@@ -81,7 +81,8 @@ def test_native_decode_is_bit_identical_to_the_layer_loop(checkpoints, monkeypat
     assert torch.equal(native, python)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "bfloat16"])  # int8, bf16: written as the Python path writes them
+# int8 and the 16-bit caches: written as the Python path writes them
+@pytest.mark.parametrize("kv", ["auto", "int8", "bfloat16", "float16"])
 def test_engine_steps_are_the_same_with_and_without_native_decode(smol_dir, monkeypatch, kv):
     model = load_model(smol_dir, "float32")
     tokenizer = Tokenizer(smol_dir)

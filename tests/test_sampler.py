@@ -117,3 +117,31 @@ def test_logprobs_rank_and_top():
     info = logprob_entries(logits.unsqueeze(0), [2], [2])[0]
     assert info.rank == 2 and info.logprob == pytest.approx(float(lp[2]))
     assert list(info.top) == [1, 2] and info.top[1] == pytest.approx(float(lp[1]))
+
+
+def test_a_batch_draws_each_row_as_it_would_alone():
+    """Plain greedy rows are drawn in one argmax over the batch; rows with a bias, a penalty, a
+    mask, a grammar error or a temperature beside them each keep their own rule: every row's token
+    equals the slow rule's on that row alone."""
+    torch.manual_seed(5)
+    logits = torch.randn(6, V)
+    logits[1, 7] = logits[1].max()  # a tie: the lower id wins, as argmax on the row alone
+    greedy = SamplingParams(temperature=0.0)
+    biased = SamplingParams(temperature=0.0, logit_bias={3: 100.0})
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    seqs = [seq_with(greedy), seq_with(greedy), seq_with(biased), seq_with(penalised), seq_with(greedy, seed=1)]
+    seqs.append(seq_with(SamplingParams(temperature=0.8), seed=2))
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[int(logits[4].argmax())] = True  # the row's own best token forbidden by its grammar
+    masks = [None, None, None, None, mask, ValueError("grammar fault")]
+    drawn = sample(logits, seqs, set(), masks)
+    assert drawn[0][0] == int(np.argmax(logits[0].numpy()))
+    assert drawn[1][0] == int(np.argmax(logits[1].numpy()))
+    assert drawn[2][0] == 3
+    expected = slow_processed(logits[3], (1, 2, 3), (4, 4, 5), penalised, set())
+    assert drawn[3][0] == int(np.argmax(expected))
+    assert drawn[4][0] == int(np.argmax(np.where(mask.numpy(), -np.inf, logits[4].numpy())))
+    assert isinstance(drawn[5], ValueError)
+    # the same rows one at a time
+    for i in range(5):
+        assert sample(logits[i : i + 1], [seqs[i]], set(), [masks[i]])[0][0] == drawn[i][0]

@@ -66,16 +66,36 @@ def _draw_masked(x: torch.Tensor, seq: Sequence) -> int:
     return token
 
 
-def _penalised(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
+def _needs_penalties(seq: Sequence) -> bool:
     p = seq.params
-    needs = (
+    return bool(
         p.logit_bias
         or p.repetition_penalty != 1.0
         or p.presence_penalty
         or p.frequency_penalty
         or len(seq.output_ids) < p.min_tokens
     )
-    if not needs:
+
+
+def _plain_greedy(logits: torch.Tensor, seqs: list[Sequence], masks: list) -> list[int | None]:
+    """The argmax of every greedy row that nothing else touches (no penalty, bias or mask), in one
+    call over those rows: row by row, a batch of 8 paid 8 calls over the vocabulary. None elsewhere."""
+    plain = [
+        i
+        for i, (seq, mask) in enumerate(zip(seqs, masks, strict=True))
+        if mask is None and seq.allowed is None and seq.params.greedy and not _needs_penalties(seq)
+    ]
+    best: list[int | None] = [None] * len(seqs)
+    if plain:
+        rows = logits if len(plain) == len(seqs) else logits[torch.tensor(plain)]
+        for i, token in zip(plain, rows.argmax(-1).tolist(), strict=True):
+            best[i] = token
+    return best
+
+
+def _penalised(raw: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> torch.Tensor:
+    p = seq.params
+    if not _needs_penalties(seq):
         return raw
     x = raw.clone()
     if p.repetition_penalty != 1.0:
@@ -132,7 +152,11 @@ def sample(
     None) per row."""
     tokens: list[int | Exception] = []
     masks = grammar_masks or [None] * len(seqs)
-    for raw, seq, mask in zip(logits, seqs, masks, strict=True):
+    greedy = _plain_greedy(logits, seqs, masks)
+    for raw, seq, mask, best in zip(logits, seqs, masks, greedy, strict=True):
+        if best is not None:
+            tokens.append(best)
+            continue
         try:
             if isinstance(mask, Exception):
                 raise mask
