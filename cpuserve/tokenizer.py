@@ -74,7 +74,8 @@ def _joined(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    # newline-joined, as vLLM joins a message's text parts for a template that prints the content
+    text = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return {**message, "content": text}
 
 

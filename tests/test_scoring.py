@@ -143,7 +143,7 @@ def test_echo_lists_every_prompt_token_then_the_generated_ones(server, hf_smol, 
                     assert text[at : at + len(token)] == token
                 if max_tokens == 0:
                     assert choice["finish_reason"] == "length" and text == tok.decode(prompt_ids)
-    streamed = {"tokens": [], "token_logprobs": [], "text": ""}
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": [], "text": ""}
     body = {"prompt": texts[0], "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as s:
         for line in s.iter_lines():
@@ -152,6 +152,8 @@ def test_echo_lists_every_prompt_token_then_the_generated_ones(server, hf_smol, 
                 streamed["text"] += choice["text"]
                 streamed["tokens"] += (choice["logprobs"] or {}).get("tokens", [])
                 streamed["token_logprobs"] += (choice["logprobs"] or {}).get("token_logprobs", [])
+                # offsets from the start of the choice's whole text, the echoed prompt included
+                streamed["text_offset"] += (choice["logprobs"] or {}).get("text_offset", [])
     whole = httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=60).json()["choices"][0]
-    expected = {k: whole["logprobs"][k] for k in ("tokens", "token_logprobs")}
+    expected = {k: whole["logprobs"][k] for k in ("tokens", "token_logprobs", "text_offset")}
     assert streamed == {**expected, "text": whole["text"]} and streamed["token_logprobs"][0] is None

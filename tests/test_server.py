@@ -294,11 +294,24 @@ def test_allowed_token_ids_limit_every_draw_and_bad_ones_are_refused(client, tok
     [
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
+        ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"store": True}, "store"),
+        ({"best_of": 2}, "best_of"),
+        ({"totally_unknown_param": 1}, "totally_unknown_param"),  # a name nothing reads: OpenAI refuses it too
+        ({"typical_p": 0.9}, "typical_p"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ],
 )
 def test_parameters_not_honoured_yet_are_refused_not_ignored(server, body, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **body}
     r = httpx.post(f"{server}/v1/chat/completions", json=request, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    if param not in ("typical_p", "totally_unknown_param"):
+        return
+    assert r.json()["error"]["message"].startswith(f"{param}: unrecognized request argument supplied")
+    completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **body}
+    r = httpx.post(f"{server}/v1/completions", json=completion, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
@@ -308,7 +321,13 @@ def test_neutral_values_of_those_parameters_are_served(client):
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=2,
         response_format={"type": "text"},
-        extra_body={"tools": [], "tool_choice": "none"},
+        # OpenAI's metadata and hints that change nothing in the answer, and neutral values
+        metadata={"team": "a"},
+        service_tier="auto",
+        prediction={"type": "content", "content": "Hello"},
+        modalities=["text"],
+        store=False,
+        extra_body={"tools": [], "tool_choice": "none", "prompt_cache_key": "k", "safety_identifier": "u1"},
     )
     assert out.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="best_of"):

@@ -484,6 +484,28 @@ def test_strict_schemas_close_objects_but_never_rewrite_values():
     assert closed["default"] == {"properties": {}}
 
 
+def test_text_parts_join_with_newlines_and_a_refusal_is_text(server):
+    """For a template that prints the content, a message's text parts are joined by newlines (as
+    vLLM joins them); an assistant's refusal part and the Responses API's input/output text parts
+    are text; any other part is a 400."""
+
+    def tokens(messages):
+        r = httpx.post(f"{server}/tokenize", json={"messages": messages}, headers={"Authorization": f"Bearer {KEY}"})
+        return r
+
+    parts = [{"type": "text", "text": "part1"}, {"type": "input_text", "text": "part2"}]
+    joined = tokens([{"role": "user", "content": "part1\npart2"}]).json()["tokens"]
+    assert tokens([{"role": "user", "content": parts}]).json()["tokens"] == joined
+    turns = [{"role": "user", "content": "u"}, None, {"role": "user", "content": "u2"}]
+    refusal = [{"type": "refusal", "refusal": "no"}]
+    as_parts = tokens([turns[0], {"role": "assistant", "content": refusal}, turns[2]])
+    as_text = tokens([turns[0], {"role": "assistant", "content": "no"}, turns[2]])
+    assert as_parts.status_code == 200 and as_parts.json()["tokens"] == as_text.json()["tokens"]
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    bad = tokens([{"role": "user", "content": image}])
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "only text content parts are supported"
+
+
 def test_content_parts_render_as_transformers_renders_them(server, smol_dir):
     transformers = pytest.importorskip("transformers")
     reference = transformers.AutoTokenizer.from_pretrained(smol_dir)

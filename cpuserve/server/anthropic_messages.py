@@ -164,7 +164,7 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                 calls[-1]["function"]["arguments"] = arguments
             elif kind not in ("thinking", "redacted_thinking") or m.role != "assistant":  # past thinking: dropped
                 texts.append(join_text([block], param, ("text",)))
-        message: dict[str, Any] = {"role": m.role, "content": "".join(texts) if texts or not calls else None}
+        message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts or not calls else None}
         if calls:
             message["tool_calls"] = calls
         if texts or calls or not any(b.get("type") == "tool_result" for b in blocks):

@@ -42,8 +42,8 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> list[int]:
     messages = []
     for m in req.messages:
         msg = m.model_dump(exclude_unset=True)
-        if isinstance(m.content, list):
-            join_text(m.content, "messages")  # every part must be text; the tokenizer joins them if need be
+        if isinstance(m.content, list):  # every part text; each as a text part (the tokenizer joins them if need be)
+            msg["content"] = [{"type": "text", "text": t} for t in text_parts(m.content, "messages")]
         if isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = [_decoded_arguments(call) for call in msg["tool_calls"]]
         messages.append(msg)
@@ -91,15 +91,26 @@ def _decoded_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
-def join_text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
-    """A message's text: the string, or its text parts (of these types) joined; 400 for any other part."""
-    if isinstance(content, str):
-        return content
+# The content parts that carry text, and the field each keeps it in: OpenAI's text and an assistant's
+# refusal, the Responses API's input and output text (vLLM reads the same four as text).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def text_parts(content: Any, param: str, kinds: tuple[str, ...] = tuple(TEXT_PARTS)) -> list[str]:
+    """The text of each content part (of these types); 400 for any other part."""
     parts = content if isinstance(content, list) else [content]
-    texts = [p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") in kinds]
+    texts = [p.get(TEXT_PARTS[p["type"]], "") for p in parts if isinstance(p, dict) and p.get("type") in kinds]
     if len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
         raise APIError(400, "only text content parts are supported", param=param)
-    return "".join(texts)
+    return texts
+
+
+def join_text(content: Any, param: str, kinds: tuple[str, ...] = tuple(TEXT_PARTS)) -> str:
+    """A message's text: the string, or its text parts (of these types) joined by newlines, as vLLM
+    joins them; 400 for any other part."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(text_parts(content, param, kinds))
 
 
 def chat_request(param: str, **fields: Any) -> ChatCompletionRequest:

@@ -122,6 +122,7 @@ async def _events(
 ) -> AsyncIterator[dict[str, Any]]:
     """One event per choice whose text, logprobs or finish changed; usage last if asked for."""
     sent: dict[int, tuple[int, int, int]] = {}  # choice index -> (chars, logprob entries, token ids) sent
+    echoed: dict[int, int] = {}  # choice index -> characters of the echoed prompt its first chunk sent
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     async for i, out in merged:
@@ -132,6 +133,7 @@ async def _events(
             prefix = ""
             if req.echo and idx not in sent:
                 prefix = await server.tokens.decode(out.prompt_token_ids, skip_special_tokens=False)
+                echoed[idx] = len(prefix)
             delta = o.text[chars:]
             new_lp = (o.logprobs or [])[nlp:]
             completion_tokens[idx] = len(o.token_ids)
@@ -141,9 +143,10 @@ async def _events(
             sent[idx] = (len(o.text), len(o.logprobs or []), len(o.token_ids))
             logprobs = None
             if req.logprobs is not None:
-                echoed = _prompt_part(req, out, 0) if prefix else []
+                prompt_part = _prompt_part(req, out, 0) if prefix else []
                 new_ids = list(o.token_ids)[nlp : nlp + len(new_lp)]
-                parts = [*echoed, (new_ids, new_lp, len(prefix) + chars)]
+                # offsets count from the start of the choice's text, the echoed prompt included
+                parts = [*prompt_part, (new_ids, new_lp, echoed.get(idx, 0) + chars)]
                 logprobs = completion_logprobs(server.tokenizer, parts, req.return_tokens_as_token_ids)
             choice = {
                 "index": idx,

@@ -16,9 +16,15 @@ class StreamOptions(BaseModel):
 
 # Parameters OpenAI or vLLM define that this server does not honour: a request that gives one a
 # value that would change the answer (or what comes back) is refused (400 naming it), never served
-# as if it had not. Unknown names stay ignored, as OpenAI's own server ignores them. (Output
-# constraints are read by structured.py, tools by tool_calls.py.)
+# as if it had not. (Output constraints are read by structured.py, tools by tool_calls.py.)
 NOT_HONOURED = {
+    "modalities": lambda v: v not in (None, ["text"]),
+    "audio": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
+    "verbosity": lambda v: v is not None,
+    "store": lambda v: v is True,  # OpenAI keeps the completion for later listing; nothing is kept here
+    "logits_processors": bool,
+    "spaces_between_special_tokens": lambda v: v is False,
     "functions": bool,
     "function_call": lambda v: v not in (None, "none"),
     "use_beam_search": bool,
@@ -42,6 +48,34 @@ NOT_HONOURED = {
 }
 
 
+# Names a request may carry besides its declared fields: what NOT_HONOURED checks, the output
+# constraints (structured.py reads them from the extras), a completion's tool fields (refused there
+# unless empty), chat's best_of (checked below), and OpenAI's metadata, which changes nothing in the
+# answer. Any other name is refused, as OpenAI's own server refuses it ("Unrecognized request
+# argument supplied"): a parameter nothing reads is one the server cannot honour. (vLLM ignores
+# them with a warning in its log; a client would not see it.)
+KNOWN_EXTRAS = {
+    *NOT_HONOURED,
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "best_of",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "prediction",  # predicted output: a speed hint, the answer is the same without it
+}
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions, mapped onto SamplingParams."""
 
@@ -53,10 +87,13 @@ class SamplingFields(BaseModel):
 
     def refuse_unhonoured(self) -> None:
         given = self.given()
+        for name in self.model_extra or {}:
+            if name not in KNOWN_EXTRAS:
+                raise InvalidRequest(name, "unrecognized request argument supplied; the request was not run")
         for name, changes_the_answer in NOT_HONOURED.items():
             if changes_the_answer(given.get(name)):
                 raise InvalidRequest(name, "is not supported by this server yet; the request was not run")
-        best_of = getattr(self, "best_of", None)
+        best_of = given.get("best_of")
         if best_of is not None and best_of != getattr(self, "n", 1):
             raise InvalidRequest("best_of", "only best_of equal to n is supported")
         options = self.stream_options
@@ -211,8 +248,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def refuse_unhonoured(self) -> None:
         super().refuse_unhonoured()
-        if self.max_tokens == 0 or self.max_completion_tokens == 0:
-            raise InvalidRequest("max_tokens", "must be at least 1, got 0")
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidRequest(name, f"must be at least 1, got {getattr(self, name)}")
 
 
 class TokenizeRequest(BaseModel):
