@@ -360,3 +360,33 @@ def test_stripper_sends_text_stripped_as_a_whole() -> None:
     stripper = Stripper()
     pushed = ["  ", "\n a", " ", "", "b \n", " c", "  "]
     assert "".join(stripper.push(p) for p in pushed) == "".join(pushed).strip()
+
+
+def test_forced_calls_hold_arguments_to_the_declared_parameters_only():
+    """tool_choice "required" or a named function: the constraint closes every object schema that
+    says nothing of other properties (as vLLM's default backend reads schemas), keeps one that
+    does, and leaves the request's tools (which the chat template prints) as they were sent."""
+    from cpuserve.server.tool_calls import plan_tools
+
+    weather = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        },
+    }
+    extra = {"type": "object", "properties": {"q": {"type": "string"}}, "additionalProperties": True}
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "search", "parameters": extra}},
+    ]
+    sent = json.dumps(tools, sort_keys=True)
+    named = plan_tools(tools, {"type": "function", "function": {"name": "get_weather"}}, None, None, False)
+    schema = json.loads(named.constraint.value)
+    assert schema["additionalProperties"] is False and schema["properties"]["where"]["additionalProperties"] is False
+    required = json.loads(plan_tools(tools, "required", None, None, False).constraint.value)
+    params = {
+        item["properties"]["name"]["const"]: item["properties"]["parameters"] for item in required["items"]["anyOf"]
+    }
+    assert params["get_weather"] == schema and params["search"]["additionalProperties"] is True
+    assert json.dumps(tools, sort_keys=True) == sent

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpuserve.engine import InvalidRequest, StructuredOutputs
+from cpuserve.server.structured import close_objects
 from cpuserve.server.tool_parsers import ParsedOutput, ToolCall, ToolCallStream, ToolParser
 
 
@@ -74,11 +75,14 @@ def plan_tools(
                 '"auto" tool choice requires the server to run with --enable-auto-tool-choice and --tool-call-parser',
             )
         return ToolPlan("auto", tools=tools, parallel=parallel, parser=parser)
+    # The calls held to each function's schema, its objects closed where they say nothing of other
+    # properties: arguments with only the parameters the function declares (vLLM's default xgrammar
+    # backend reads every schema so; JSON Schema alone would let the model add keys of its own).
     if tool_choice == "required":
         items = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": schema},
+                "properties": {"name": {"const": name}, "parameters": close_objects(schema)},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -93,7 +97,8 @@ def plan_tools(
         name = (tool_choice.get("function") or {}).get("name")
         if name not in functions:
             raise InvalidRequest("tool_choice", f"names function {name!r}, which is not among the tools")
-        spec = StructuredOutputs("json", StructuredOutputs.canonical_json(functions[name]), param="tool_choice")
+        schema = close_objects(functions[name])
+        spec = StructuredOutputs("json", StructuredOutputs.canonical_json(schema), param="tool_choice")
         return ToolPlan("named", tools=tools, constraint=spec, function=name, parallel=parallel)
     raise InvalidRequest("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {...}}')
 
