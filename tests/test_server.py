@@ -349,6 +349,12 @@ def test_max_tokens_is_cut_to_the_context_as_vllm_does(client, server, tokenizer
     status, err = _post(server, "/v1/completions", {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1})
     assert status == 400 and err["error"]["param"] == "prompt"
     assert "maximum context length is 2048 tokens" in err["error"]["message"]  # what LiteLLM & co. match
+    # a wrong type names the field, not the member of its union pydantic tried ("stop.str")
+    status, err = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": 5})
+    assert status == 400 and err["error"]["param"] == "stop", err
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": 5}]}
+    status, err = _post(server, "/v1/chat/completions", chat)
+    assert status == 400 and err["error"]["param"] == "messages.0.content", err
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_end(client, tokenizer):

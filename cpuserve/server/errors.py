@@ -8,6 +8,7 @@ never sees FastAPI's or Starlette's own error bodies.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -93,8 +94,19 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(
                 400, f"The request body is not valid JSON ({first.get('msg')}{where})", "BadRequestError"
             )
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        # pydantic names the member of a union it tried ("stop.str", "messages.0.content.list[...]"):
+        # the parameter is the field, as OpenAI names it
+        loc = [str(p) for p in first.get("loc", []) if p != "body" and not _union_member(p)]
         param = ".".join(loc) or None
         return error_response(
             400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", "BadRequestError", param
         )
+
+
+_TYPE_TAG = re.compile(r"(str|int|float|bool|none|(list|dict|tuple|set|literal|nullable|function-\w+)\[.*\])")
+
+
+def _union_member(part: object) -> bool:
+    """Whether a validation error's location part is pydantic's tag for a union member tried (a type
+    such as `str` or `list[str]`), not a field name or an index."""
+    return isinstance(part, str) and _TYPE_TAG.fullmatch(part) is not None
