@@ -198,6 +198,11 @@ def test_a_missing_max_tokens_is_a_400_in_anthropic_shape(server):
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
+        (
+            {"extra_body": {"frobnicate": 1}},
+            400,
+            "invalid_request_error",
+        ),  # Anthropic: "Extra inputs are not permitted"
     ],
 )
 def test_what_cannot_be_served_is_an_anthropic_error(client, fields, status, kind):

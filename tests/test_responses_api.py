@@ -67,6 +67,9 @@ def assert_well_formed(r, status="completed"):
     assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
     assert r.status == status and r.store is False  # nothing is stored, whatever was asked
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the details OpenAI always sends: no reasoning from this model; cached: what the prefix cache held
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert 0 <= r.usage.input_tokens_details.cached_tokens < r.usage.input_tokens
     for item in r.output:
         assert item.type in ("message", "function_call") and item.status == status
     assert r.output[0].id.startswith("msg_" if r.output[0].type == "message" else "fc_")
@@ -268,10 +271,13 @@ def test_previous_response_id_is_refused(client):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
         ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+        ({"extra_body": {"seed": 7}}, "seed"),  # a name nothing here reads (OpenAI: "Unknown parameter")
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )
 def test_what_would_change_the_answer_and_is_not_honoured_is_a_400_naming_it(client, fields, param):
-    kwargs = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, **fields}
+    kwargs = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "user": "u1", **fields}
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**kwargs)
     assert err.value.body["param"] == param

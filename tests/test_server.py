@@ -189,7 +189,7 @@ def test_openai_client_sees_errors(client):
 
 
 def test_keys(server):
-    for path in ("/v1/models", "/metrics"):
+    for path in ("/v1/models",):
         for key in (None, "wrong"):
             req = urllib.request.Request(server + path, headers={"Authorization": f"Bearer {key}"} if key else {})
             with pytest.raises(urllib.error.HTTPError) as e:
@@ -201,6 +201,15 @@ def test_keys(server):
         assert status == 401 and body["error"]["type"] == "AuthenticationError", path
     with urllib.request.urlopen(server + "/health", timeout=10) as r:
         assert r.status == 200
+    with urllib.request.urlopen(server + "/metrics", timeout=10) as r:  # open, as vLLM's: a scrape needs no key
+        assert r.status == 200 and b"vllm:num_requests_running" in r.read()
+    # an Anthropic client (anthropic-version sent) gets the 401 in Anthropic's shape
+    req = urllib.request.Request(
+        server + "/v1/messages", data=b"{}", headers={"x-api-key": "wrong", "anthropic-version": "2023-06-01"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 401 and json.loads(e.value.read())["error"]["type"] == "authentication_error"
 
 
 def test_tokenize_detokenize_version_metrics(server, tokenizer):

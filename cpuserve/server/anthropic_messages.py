@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cpuserve.engine import InvalidRequest
 from cpuserve.server.chat import ChatRun, chat_prompt, chat_request, join_text, prepare_chat
 from cpuserve.server.errors import ENGINE_ERRORS, APIError, api_error
-from cpuserve.server.protocol import ChatCompletionRequest
+from cpuserve.server.protocol import ChatCompletionRequest, refuse_unrecognized
 from cpuserve.server.responses import Block, Merged, Outcome, block_stream, refuse_unhonoured, serve_run
 from cpuserve.server.state import Server
 
@@ -85,7 +85,10 @@ class AnthropicMessage(BaseModel):
 
 
 # Fields that would change the answer and are not honoured: a request that asks for any is refused.
-NOT_HONOURED = ("thinking", "mcp_servers", "container", "output_config.effort")
+NOT_HONOURED = ("thinking", "mcp_servers", "container", "context_management", "output_config.effort")
+# Undeclared names a request may carry: those above, output_config (read below) and service_tier
+# (changes nothing in the answer). Any other is refused, as Anthropic refuses an extra input.
+KNOWN_EXTRAS = frozenset({*NOT_HONOURED, "output_config", "service_tier"})
 
 
 class MessagesRequest(BaseModel):
@@ -122,6 +125,7 @@ async def count_tokens(server: Server, req: CountTokensRequest) -> dict[str, int
 def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request asks for (400 naming what cannot be mapped)."""
     extras = req.model_extra or {}
+    refuse_unrecognized(extras, KNOWN_EXTRAS)
     config = extras.get("output_config") or {}
     if not isinstance(config, dict):
         raise InvalidRequest("output_config", "must be an object")

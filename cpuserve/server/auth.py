@@ -7,7 +7,8 @@ remembering to, and an unknown path answers 401 (not 404) to a client without th
 does not learn which routes exist. With the key, an unknown path is the router's 404.
 
 The key is accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`
-(Anthropic clients), compared in constant time so response timing does not leak it.
+(Anthropic clients), compared in constant time so response timing does not leak it. A client that
+sends `anthropic-version` gets the 401 in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from starlette._utils import get_route_path  # the path exactly as the router matches it
 
 from cpuserve.server.errors import APIError, error_response
 
-# Probes and the API's own description: no data, no model, nothing a key protects.
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Probes, the API's own description and the Prometheus metrics (counters and latencies, no request
+# data; vLLM leaves /metrics open too, so a scrape set up against it keeps working): nothing a key
+# protects.
+PUBLIC_PATHS = frozenset(
+    {"/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
 
 AUTH_ERROR = APIError(401, "Invalid or missing API key.", "AuthenticationError", code="invalid_api_key")
 
@@ -60,6 +66,10 @@ class APIKeyAuth:
             await send({"type": "websocket.close", "code": 1008})  # before accept: the client sees a 403
             return
         err = AUTH_ERROR
-        response = error_response(err.status, err.message, err.type, err.param, err.code)
+        if _header(scope.get("headers") or [], b"anthropic-version") is not None:  # an Anthropic client's shape
+            body = {"type": "error", "error": {"type": "authentication_error", "message": err.message}}
+            response: JSONResponse = JSONResponse(body, status_code=err.status)
+        else:
+            response = error_response(err.status, err.message, err.type, err.param, err.code)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)

@@ -76,6 +76,13 @@ KNOWN_EXTRAS = {
 }
 
 
+def refuse_unrecognized(extras: dict[str, Any] | None, known: set[str] | frozenset[str]) -> None:
+    """400 naming the first undeclared field of a request that nothing reads (not in `known`)."""
+    for name in extras or {}:
+        if name not in known:
+            raise InvalidRequest(name, "unrecognized request argument supplied; the request was not run")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions, mapped onto SamplingParams."""
 
@@ -87,9 +94,7 @@ class SamplingFields(BaseModel):
 
     def refuse_unhonoured(self) -> None:
         given = self.given()
-        for name in self.model_extra or {}:
-            if name not in KNOWN_EXTRAS:
-                raise InvalidRequest(name, "unrecognized request argument supplied; the request was not run")
+        refuse_unrecognized(self.model_extra, KNOWN_EXTRAS)
         for name, changes_the_answer in NOT_HONOURED.items():
             if changes_the_answer(given.get(name)):
                 raise InvalidRequest(name, "is not supported by this server yet; the request was not run")

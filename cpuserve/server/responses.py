@@ -31,7 +31,7 @@ from cpuserve.engine import InvalidRequest, RequestOutput
 from cpuserve.server import streaming
 from cpuserve.server.chat import ChatRun, chat_message, chat_request, choice_deltas, join_text, prepare_chat
 from cpuserve.server.errors import ENGINE_ERRORS, APIError, api_error
-from cpuserve.server.protocol import ChatCompletionRequest
+from cpuserve.server.protocol import ChatCompletionRequest, refuse_unrecognized
 from cpuserve.server.state import Server
 
 Merged = AsyncIterator[tuple[int, RequestOutput]]
@@ -107,6 +107,7 @@ class Outcome:
     finish_reason: str | None
     stop_reason: int | str | None
     output_tokens: int
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
 
 Body = Callable[[Outcome], dict[str, Any]]  # the API's answer to a run done
@@ -132,7 +133,8 @@ async def block_stream(server: Server, run: ChatRun, merged: Merged) -> AsyncIte
     for step in blocks.finish(cut=finish == "length"):
         yield step
     tokens = len(last.out.outputs[0].token_ids) if last else 0
-    yield Outcome(blocks.parts, finish, last.stop_reason if last else None, tokens)
+    cached = last.out.num_cached_tokens if last else 0
+    yield Outcome(blocks.parts, finish, last.stop_reason if last else None, tokens, cached)
 
 
 def event_stream(events: AsyncIterator[dict[str, Any]]) -> Response:
@@ -159,7 +161,7 @@ async def serve_run(
     o = finals[0].outputs[0]
     message, finish = chat_message(run, o.text, o.finish_reason)
     blocks = message_blocks(message, finish == "length")
-    return JSONResponse(body(Outcome(blocks, finish, o.stop_reason, len(o.token_ids))))
+    return JSONResponse(body(Outcome(blocks, finish, o.stop_reason, len(o.token_ids), finals[0].num_cached_tokens)))
 
 
 def refuse_unhonoured(fields: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -183,6 +185,11 @@ STATELESS = "previous_response_id is not supported: this server keeps no state"
 NOT_HONOURED = (
     *("conversation", "background", "reasoning", "include", "prompt", "top_logprobs", "max_tool_calls"),
     *("truncation", "text.verbosity"),
+)
+# Undeclared names a request may carry: those above, and OpenAI's metadata that changes nothing in the
+# answer. Any other is refused, as OpenAI refuses an unknown parameter.
+KNOWN_EXTRAS = frozenset(
+    {*NOT_HONOURED, "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"}
 )
 
 
@@ -212,6 +219,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, STATELESS, param="previous_response_id")
     text = req.text or {}
     verbosity = text.get("verbosity") if text.get("verbosity") != "medium" else None  # medium: the default
+    refuse_unrecognized(req.model_extra, KNOWN_EXTRAS)
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise InvalidRequest("max_output_tokens", f"must be at least 1, got {req.max_output_tokens}")
     given = {**(req.model_extra or {}), "reasoning": req.reasoning, "text.verbosity": verbosity}
     refuse_unhonoured(given, NOT_HONOURED)
     fmt = text.get("format")
@@ -341,7 +351,16 @@ def _response(server: Server, run: ChatRun, req: ResponsesRequest, outcome: Outc
         body["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
         body["output"] = [_item(b) for b in outcome.parts]
         n_in, n_out = len(run.ids), outcome.output_tokens
-        body["usage"] = {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
+        # the reasoning text's tokens (re-encoded: the parser splits text, not tokens); 0 without any
+        thought = "".join(b.text for b in outcome.parts if b.kind == "reasoning")
+        reasoning = len(server.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
+        body["usage"] = {
+            "input_tokens": n_in,
+            "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+            "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": n_in + n_out,
+        }
     return body
 
 
