@@ -481,3 +481,24 @@ def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     ours = Tokenizer(tmp_path)
     assert [ours.token_bytes(i) for i in range(1, 5)] == [b"\xe4", b" the", b"cat", b" "]
+
+
+def test_the_gemma_turns_keep_every_system_message_before_the_next_user_turn():
+    """Gemma has no system role: the system messages' text opens the next user turn, each of them
+    (Responses' instructions and a developer item arrive as two), as transformers renders the format."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    messages = [
+        {"role": "system", "content": "Speak French."},
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Salut"},
+        {"role": "system", "content": "Now in English."},
+        {"role": "user", "content": "Bye"},
+    ]
+    text = _compile_jinja_template(GEMMA_TURNS).render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+    assert text == (
+        "<bos><start_of_turn>user\nSpeak French.\n\nBe terse.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nSalut<end_of_turn>\n"
+        "<start_of_turn>user\nNow in English.\n\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )

@@ -393,13 +393,14 @@ def tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) 
 
 # Chat formats fixed by an architecture, for GGUFs that carry no template (the Gemma 3 files do
 # not): Gemma's turns are `<start_of_turn>ROLE\nTEXT<end_of_turn>\n`, the assistant's role named
-# "model", a system message's text put at the start of the first user turn (Gemma has no system role).
+# "model", the system messages' text put at the start of the next user turn (Gemma has no system
+# role; several system messages, such as Responses' instructions and a developer item, all kept).
 ARCH_TEMPLATES = {
     "gemma3": (
         "{{ bos_token }}{% set ns = namespace(prefix='') %}"
         "{% for m in messages %}{% set text = m['content'] if m['content'] is string else "
         "m['content'] | map(attribute='text') | join('') %}"
-        "{% if m['role'] == 'system' %}{% set ns.prefix = text | trim ~ '\n\n' %}"
+        "{% if m['role'] == 'system' %}{% set ns.prefix = ns.prefix ~ text | trim ~ '\n\n' %}"
         "{% else %}{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\n' ~ ns.prefix"
         " ~ (text | trim) ~ '<end_of_turn>\n' }}{% set ns.prefix = '' %}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
