@@ -93,3 +93,19 @@ def test_a_kv_cache_dtype_it_does_not_know_is_refused(smol_dir):
         "--kv-cache-dtype fp4: one of auto (the model's dtype), bfloat16, float16, int8 "
         "(also spelled fp8, fp8_e4m3, fp8_e5m2: int8 rows with per-row scales)"
     )
+
+
+def test_vllm_spellings_of_serve_flags_parse():
+    """`vllm serve` reads `--max_model_len` as `--max-model-len` (values untouched), and vLLM 0.10+
+    spells request logging --enable-log-requests / --no-enable-log-requests."""
+    from cpuserve.cli import build_parser, dashed_flags
+
+    parser = build_parser()
+    args = parser.parse_args(
+        dashed_flags(["serve", "m", "--max_model_len", "512", "--served_model_name=my_model", "--chat-template", "a_b"])
+    )
+    assert (args.max_model_len, args.served_model_name, args.chat_template) == (512, ["my_model"], "a_b")
+    assert parser.parse_args(["serve", "m"]).disable_log_requests is False
+    assert parser.parse_args(["serve", "m", "--no-enable-log-requests"]).disable_log_requests is True
+    assert parser.parse_args(["serve", "m", "--disable-log-requests"]).disable_log_requests is True
+    assert parser.parse_args(["serve", "m", "--enable-log-requests"]).disable_log_requests is False

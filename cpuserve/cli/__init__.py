@@ -58,8 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """Each `--flag_name` (or `--flag_name=value`) spelled `--flag-name`, as vLLM's parser reads
+    them (`vllm serve --max_model_len 512` works there); values are left as they are."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="[cpuserve] %(message)s",

@@ -62,9 +62,11 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     argv: list[str] = []
+    seen: set[str] = set()  # a dest two flags set (--disable-log-requests, --enable-log-requests): its first
     for action in parser._actions:
-        if action.dest == "help":
+        if action.dest == "help" or action.dest in seen:
             continue
+        seen.add(action.dest)
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue

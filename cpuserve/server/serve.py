@@ -96,7 +96,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-log-stats", action="store_true", help="no periodic engine stats log lines")
     p.add_argument(
-        "--disable-log-requests", action="store_true", help="no access log line per request (logger cpuserve.access)"
+        "--disable-log-requests",
+        "--no-enable-log-requests",  # vLLM 0.10+'s spelling
+        action="store_true",
+        help="no access log line per request (logger cpuserve.access)",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_false",
+        dest="disable_log_requests",
+        help="an access log line per request (the default here; vLLM 0.10+'s flag, accepted)",
     )
     p.add_argument(
         "--log-prompts",
