@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -237,6 +238,38 @@ def test_tokenize_detokenize_version_metrics(server, tokenizer):
         "vllm:generation_tokens_total",
     ):
         assert name in text, name
+
+
+def _metric_sums(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+
+
+def test_a_finished_request_is_counted_in_vllms_request_histograms(server):
+    """vLLM's per-request series, from one request between two scrapes: one observation each, the
+    lengths exactly the request's, and the phases consistent (queue + inference = e2e, prefill +
+    decode = inference, e2e within the call's own time)."""
+    before = _metric_sums(server)
+    body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    start = time.monotonic()
+    status, out = _post(server, "/v1/completions", body)
+    wall = time.monotonic() - start
+    assert status == 200, out
+    after = _metric_sums(server)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"):
+        assert delta[f"vllm:{name}_seconds_count"] == 1, name
+    assert delta["vllm:request_prompt_tokens_sum"] == out["usage"]["prompt_tokens"]
+    assert delta["vllm:request_generation_tokens_sum"] == 5 == out["usage"]["completion_tokens"]
+    assert delta["vllm:request_params_n_sum"] == 1 and delta["vllm:request_params_max_tokens_sum"] == 5
+    e2e, queue = delta["vllm:e2e_request_latency_seconds_sum"], delta["vllm:request_queue_time_seconds_sum"]
+    inference = delta["vllm:request_inference_time_seconds_sum"]
+    prefill, decode = delta["vllm:request_prefill_time_seconds_sum"], delta["vllm:request_decode_time_seconds_sum"]
+    assert 0 < e2e <= wall and queue + inference == pytest.approx(e2e, abs=1e-6)
+    assert prefill + decode == pytest.approx(inference, abs=1e-6) and decode > 0
 
 
 def test_reference_launch_command_with_cpuserve(smol_dir, cache_dir, tmp_path):

@@ -161,6 +161,7 @@ class EngineCore:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             ended_by_token=seq.finished and seq.ended_by_token,
+            first_scheduled=seq.first_scheduled,
         )
 
     def _fail(self, request_id: str, exc: BaseException) -> EngineCoreOutput:

@@ -39,6 +39,7 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * len(request.prompt_ids)
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
+        self.first_scheduled: float | None = None
         self.embedding: list[float] | None = None
 
     @property
@@ -60,6 +61,8 @@ class RequestState:
             seq = self.seqs[delta.index]
             if delta.index == 0:  # as vLLM reports it: the first sequence's prefix-cache hit
                 self.num_cached_tokens = delta.num_cached_tokens
+            if self.first_scheduled is None:
+                self.first_scheduled = delta.first_scheduled
             if seq.finish_reason is not None:
                 continue  # ended here by a stop string: later tokens never existed
             if not delta.new_token_ids and delta.finish_reason is not None:  # ended without a token (max_tokens 0)
@@ -98,6 +101,8 @@ class RequestState:
             for i, s in enumerate(self.seqs)
         ]
         metrics = {"arrival": req.arrival}
+        if self.first_scheduled is not None:
+            metrics["first_scheduled"] = self.first_scheduled
         if self.first_token_time is not None:
             metrics["first_token"] = self.first_token_time
         return RequestOutput(

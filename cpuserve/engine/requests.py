@@ -33,6 +33,7 @@ class SequenceDelta:
     stop_reason: int | str | None
     num_cached_tokens: int
     ended_by_token: bool = False  # the last token is the EOS or stop token id that ended it: it has no text
+    first_scheduled: float | None = None  # monotonic time the sequence's first step was scheduled
 
 
 @dataclass

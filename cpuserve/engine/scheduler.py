@@ -16,6 +16,7 @@ in its output.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -165,6 +166,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.first_scheduled is None:  # a preempted sequence keeps its first admission's time
+                seq.first_scheduled = time.monotonic()
             self.running.append(seq)
             want = self._chunk(seq.num_tokens - seq.num_computed, budget)
             batch.items.append((seq, want))

@@ -49,6 +49,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    first_scheduled: float | None = None  # monotonic time its first step was scheduled (vLLM's queue time ends)
     ended_by_token: bool = False  # finished by drawing EOS or a stop token id (whose text is not output)
     allowed: torch.Tensor | None = None  # bool [V]: the tokens this sequence may draw (None: all)
     grammar: GrammarState | None = None  # its structured-output constraint: a new mask every step

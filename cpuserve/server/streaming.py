@@ -45,6 +45,7 @@ async def _instrumented(
         metrics.generation_tokens.inc(count - last_count)
         last_count = count
         if out.finished:
+            metrics.finished(out, params, len(prompt), now)
             metrics.prompt_tokens.inc(len(out.prompt_token_ids))
             for o in out.outputs:
                 metrics.requests.labels(model_name=server.model_name, finished_reason=o.finish_reason).inc()
