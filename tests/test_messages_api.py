@@ -137,7 +137,12 @@ def test_a_forced_tool_gives_a_tool_use_block_whose_input_validates(client):
     m = client.messages.create(**kwargs)
     assert_well_formed(m)
     [block] = m.content
-    assert block.type == "tool_use" and block.name == "get_weather" and block.id
+    assert block.type == "tool_use" and block.name == "get_weather" and block.id.startswith("toolu_")
+    # the prompt tokens the prefix cache served, as Anthropic's cache reads (the same prompt again: all
+    # its whole blocks)
+    again = client.messages.create(**kwargs)
+    assert again.usage.cache_creation_input_tokens == 0 and again.usage.cache_read_input_tokens > 0
+    assert again.usage.cache_read_input_tokens < again.usage.input_tokens
     jsonschema.validate(block.input, WEATHER)
     assert m.stop_reason == "tool_use"
     with client.messages.stream(**kwargs) as stream:
@@ -198,11 +203,8 @@ def test_a_missing_max_tokens_is_a_400_in_anthropic_shape(server):
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
-        (
-            {"extra_body": {"frobnicate": 1}},
-            400,
-            "invalid_request_error",
-        ),  # Anthropic: "Extra inputs are not permitted"
+        ({"extra_body": {"frobnicate": 1}}, 400, "invalid_request_error"),  # "Extra inputs are not permitted"
+        ({"extra_body": {"temperature": 1.5}}, 400, "invalid_request_error"),  # Anthropic range: 0 to 1
     ],
 )
 def test_what_cannot_be_served_is_an_anthropic_error(client, fields, status, kind):

@@ -126,6 +126,8 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request asks for (400 naming what cannot be mapped)."""
     extras = req.model_extra or {}
     refuse_unrecognized(extras, KNOWN_EXTRAS)
+    if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
+        raise InvalidRequest("temperature", f"must be between 0 and 1 (Anthropic's range), got {req.temperature}")
     config = extras.get("output_config") or {}
     if not isinstance(config, dict):
         raise InvalidRequest("output_config", "must be an object")
@@ -226,7 +228,8 @@ def _block(block: Block, done: bool = True) -> dict[str, Any]:
             arguments = json.loads(block.text) if done else {}
         except json.JSONDecodeError:  # cut by max_tokens
             arguments = {}
-        return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": arguments}
+        tool_id = "toolu_" + (block.call_id or "").removeprefix("call_")  # Anthropic's id prefix
+        return {"type": "tool_use", "id": tool_id, "name": block.name, "input": arguments}
     if block.kind == "reasoning":
         return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
     return {"type": "text", "text": block.text if done else ""}
@@ -243,7 +246,18 @@ def _message(server: Server, run: ChatRun, outcome: Outcome | None) -> dict[str,
         "content": [_block(b) for b in outcome.parts] if outcome is not None else [],
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": len(run.ids), "output_tokens": outcome.output_tokens if outcome else 0},
+        "usage": _usage(run, outcome),
+    }
+
+
+def _usage(run: ChatRun, outcome: Outcome | None) -> dict[str, int]:
+    """Anthropic's usage: the prompt tokens the prefix cache served are its cache reads (nothing is
+    written to a cache on request here: no cache_control)."""
+    return {
+        "input_tokens": len(run.ids),
+        "output_tokens": outcome.output_tokens if outcome else 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": outcome.cached_tokens if outcome else 0,
     }
 
 
@@ -261,7 +275,7 @@ async def _events(server: Server, run: ChatRun, merged: Merged) -> AsyncIterator
         async for step in block_stream(server, run, merged):
             if isinstance(step, Outcome):
                 stop_reason, stop_sequence = _stop(step)
-                usage = {"input_tokens": len(run.ids), "output_tokens": step.output_tokens}
+                usage = _usage(run, step)
                 yield {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -340,7 +340,7 @@ def _response(server: Server, run: ChatRun, req: ResponsesRequest, outcome: Outc
         "store": False,
         "temperature": run.params.temperature,
         "text": {"format": fmt},
-        "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+        "tool_choice": req.tool_choice or "auto",  # OpenAI's default, tools or not
         "tools": req.tools or [],
         "top_p": run.params.top_p,
         "usage": None,
