@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from cpuserve.engine import InvalidRequest
 from cpuserve.server.chat import ChatRun, chat_prompt, chat_request, join_text, prepare_chat
 from cpuserve.server.errors import ENGINE_ERRORS, APIError, api_error
+from cpuserve.server.message_blocks import Block, Merged, Outcome, block_stream, refuse_unhonoured, serve_run
 from cpuserve.server.protocol import ChatCompletionRequest, refuse_unrecognized
-from cpuserve.server.responses import Block, Merged, Outcome, block_stream, refuse_unhonoured, serve_run
 from cpuserve.server.state import Server
 
 ERROR_TYPES = {
