@@ -69,7 +69,8 @@ def test_create_with_a_system_prompt_answers_what_chat_answers(client, chat):
     assert_well_formed(m)
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text and "Paris" in text
     assert finish == "stop" and m.stop_reason == "end_turn" and m.stop_sequence is None
-    assert (m.usage.input_tokens, m.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens  # uncached + cached: the whole prompt
+    assert (prompt, m.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
     blocks = client.messages.create(
         model=MODEL, max_tokens=40, system=[{"type": "text", "text": SYSTEM}], messages=QUESTION, **GREEDY
     )
@@ -142,7 +143,9 @@ def test_a_forced_tool_gives_a_tool_use_block_whose_input_validates(client):
     # its whole blocks)
     again = client.messages.create(**kwargs)
     assert again.usage.cache_creation_input_tokens == 0 and again.usage.cache_read_input_tokens > 0
-    assert again.usage.cache_read_input_tokens < again.usage.input_tokens
+    # the counts do not overlap: uncached input + cache reads = the whole prompt
+    prompt = client.messages.count_tokens(**{k: v for k, v in kwargs.items() if k not in ("max_tokens", "extra_body")})
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt.input_tokens
     jsonschema.validate(block.input, WEATHER)
     assert m.stop_reason == "tool_use"
     with client.messages.stream(**kwargs) as stream:
@@ -171,7 +174,8 @@ def test_a_tool_history_is_the_chat_tool_history(client, chat):
         {"role": "tool", "tool_call_id": "toolu_1", "content": RESULT},
     ]
     text, _, usage = chat_answer(chat, chat_messages, 30, tools=CHAT_TOOLS, tool_choice="none")
-    assert m.content[0].text == text and m.usage.input_tokens == usage.prompt_tokens
+    assert m.content[0].text == text
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == usage.prompt_tokens
 
 
 def test_the_key_is_taken_from_x_api_key_and_a_wrong_one_is_a_401(server, client):
@@ -205,6 +209,11 @@ def test_a_missing_max_tokens_is_a_400_in_anthropic_shape(server):
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
         ({"extra_body": {"frobnicate": 1}}, 400, "invalid_request_error"),  # "Extra inputs are not permitted"
         ({"extra_body": {"temperature": 1.5}}, 400, "invalid_request_error"),  # Anthropic range: 0 to 1
+        (
+            {"extra_body": {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}},
+            400,
+            "invalid_request_error",
+        ),
     ],
 )
 def test_what_cannot_be_served_is_an_anthropic_error(client, fields, status, kind):
@@ -221,15 +230,17 @@ def test_a_final_assistant_message_is_continued(client, chat):
     messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
     m = client.messages.create(model=MODEL, max_tokens=8, messages=messages, **GREEDY)
     text, _, usage = chat_answer(chat, messages, 8, extra_body={"continue_final_message": True})
-    assert m.content[0].text == text and m.usage.input_tokens == usage.prompt_tokens
+    assert m.content[0].text == text
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == usage.prompt_tokens
     assert "Paris" in text
 
 
 def test_count_tokens_is_the_prompt_the_message_is_served_with(client, server):
-    """Anthropic's /v1/messages/count_tokens: the same prompt as the message's usage.input_tokens."""
+    """Anthropic's /v1/messages/count_tokens: the same prompt as the message's usage counts (its
+    uncached input tokens plus its cache reads)."""
     kwargs = {"model": MODEL, "system": SYSTEM, "messages": QUESTION, "tools": TOOLS, "tool_choice": {"type": "any"}}
     counted = client.messages.count_tokens(**kwargs)
     served = client.messages.create(max_tokens=2, **kwargs, **GREEDY)
-    assert counted.input_tokens == served.usage.input_tokens > 0
+    assert counted.input_tokens == served.usage.input_tokens + served.usage.cache_read_input_tokens > 0
     r = httpx.post(f"{server}/v1/messages/count_tokens", json={"messages": []}, headers=ANTHROPIC_HEADERS, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error"

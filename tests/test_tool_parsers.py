@@ -390,3 +390,19 @@ def test_forced_calls_hold_arguments_to_the_declared_parameters_only():
     }
     assert params["get_weather"] == schema and params["search"]["additionalProperties"] is True
     assert json.dumps(tools, sort_keys=True) == sent
+
+
+def test_closing_objects_leaves_the_members_of_an_all_of_open():
+    """An intersection (allOf) of two object schemas: each member closed alone would forbid the
+    other's property, so only objects outside an allOf are closed."""
+    from cpuserve.server.structured import close_objects
+
+    a = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}
+    nested = {"type": "object", "properties": {"x": {"allOf": [a, b]}, "y": dict(a)}}
+    closed = close_objects(nested)
+    assert closed["additionalProperties"] is False and closed["properties"]["y"]["additionalProperties"] is False
+    assert all("additionalProperties" not in m for m in closed["properties"]["x"]["allOf"])
+    assert "additionalProperties" not in a and "additionalProperties" not in b  # the caller's schema untouched
+    ruled = close_objects({"type": "object", "properties": {"q": {}}, "unevaluatedProperties": False})
+    assert "additionalProperties" not in ruled

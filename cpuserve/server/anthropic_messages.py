@@ -85,10 +85,14 @@ class AnthropicMessage(BaseModel):
 
 
 # Fields that would change the answer and are not honoured: a request that asks for any is refused.
-NOT_HONOURED = ("thinking", "mcp_servers", "container", "context_management", "output_config.effort")
-# Undeclared names a request may carry: those above, output_config (read below) and service_tier
-# (changes nothing in the answer). Any other is refused, as Anthropic refuses an extra input.
-KNOWN_EXTRAS = frozenset({*NOT_HONOURED, "output_config", "service_tier"})
+NOT_HONOURED = ("thinking", "mcp_servers", "container", "context_management.tool_uses", "output_config.effort")
+# Undeclared names a request may carry: those above, output_config and context_management (read
+# below), and what changes nothing in the answer (service_tier, inference_geo, a top-level
+# cache_control: the prefix cache reuses every prompt's blocks anyway). Any other is refused, as
+# Anthropic refuses an extra input.
+KNOWN_EXTRAS = frozenset(
+    {*NOT_HONOURED, "output_config", "context_management", "service_tier", "inference_geo", "cache_control"}
+)
 
 
 class MessagesRequest(BaseModel):
@@ -131,7 +135,18 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     config = extras.get("output_config") or {}
     if not isinstance(config, dict):
         raise InvalidRequest("output_config", "must be an object")
-    refuse_unhonoured({**extras, "output_config.effort": config.get("effort")}, NOT_HONOURED)
+    # Claude Code sends context_management; its clear_thinking edits change nothing here (past
+    # thinking is dropped from the prompt anyway), a clear_tool_uses edit would change the prompt.
+    edits = (
+        (extras.get("context_management") or {}).get("edits")
+        if isinstance(extras.get("context_management"), dict)
+        else None
+    )
+    tool_edits = [
+        e for e in edits or [] if not (isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking"))
+    ]
+    given = {**extras, "output_config.effort": config.get("effort"), "context_management.tool_uses": tool_edits}
+    refuse_unhonoured(given, NOT_HONOURED)
     fmt = config.get("format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
         raise InvalidRequest("output_config.format", "must be of type json_schema")
@@ -251,13 +266,14 @@ def _message(server: Server, run: ChatRun, outcome: Outcome | None) -> dict[str,
 
 
 def _usage(run: ChatRun, outcome: Outcome | None) -> dict[str, int]:
-    """Anthropic's usage: the prompt tokens the prefix cache served are its cache reads (nothing is
-    written to a cache on request here: no cache_control)."""
-    return {
-        "input_tokens": len(run.ids),
+    """Anthropic's usage: the prompt tokens the prefix cache served are its cache reads, the rest its
+    input tokens (nothing is written to a cache on request here)."""
+    cached = outcome.cached_tokens if outcome else 0
+    return {  # Anthropic's three input counts do not overlap: clients add them up for the prompt's size
+        "input_tokens": len(run.ids) - cached,
         "output_tokens": outcome.output_tokens if outcome else 0,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": outcome.cached_tokens if outcome else 0,
+        "cache_read_input_tokens": cached,
     }
 
 

@@ -21,12 +21,11 @@ from starlette._utils import get_route_path  # the path exactly as the router ma
 
 from cpuserve.server.errors import APIError, error_response
 
-# Probes, the API's own description and the Prometheus metrics (counters and latencies, no request
-# data; vLLM leaves /metrics open too, so a scrape set up against it keeps working): nothing a key
-# protects.
-PUBLIC_PATHS = frozenset(
-    {"/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-)
+# Probes and the API's own description: no data, no model, nothing a key protects. /metrics is not
+# among them (vLLM leaves it open): its request counts, timings and length histograms show the
+# traffic, and on a cluster every scrape asks each replica. A Prometheus scrape sends the key as a
+# bearer credential.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 AUTH_ERROR = APIError(401, "Invalid or missing API key.", "AuthenticationError", code="invalid_api_key")
 

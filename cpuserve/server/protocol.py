@@ -71,8 +71,11 @@ KNOWN_EXTRAS = {
     "metadata",
     "service_tier",
     "prompt_cache_key",
+    "prompt_cache_retention",  # OpenAI's prompt cache settings (the openai-agents SDK forwards them)
+    "prompt_cache_options",
     "safety_identifier",
     "prediction",  # predicted output: a speed hint, the answer is the same without it
+    "request_id",  # vLLM's: a caller's id for the request (logs); the response id stays this server's
 }
 
 

@@ -43,7 +43,8 @@ NOT_HONOURED = (
 # Undeclared names a request may carry: those above, and OpenAI's metadata that changes nothing in the
 # answer. Any other is refused, as OpenAI refuses an unknown parameter.
 KNOWN_EXTRAS = frozenset(
-    {*NOT_HONOURED, "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"}
+    {*NOT_HONOURED, "user", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"}
+    | {"stream_options"}
 )
 
 

@@ -97,14 +97,20 @@ def _structured_outputs(so: Any) -> StructuredOutputs:
 def close_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that lists properties
     and says nothing about others (what OpenAI's strict mode means, and vLLM's
-    disable_additional_properties)."""
-    return map_schemas(schema, _closed)
+    disable_additional_properties). Not on the members of an `allOf` (each would forbid the others'
+    properties: a zod intersection could match nothing), nor where `unevaluatedProperties` decides."""
+    closed: set[int] = set()  # the object schemas this walk closed (map_schemas: innermost first)
 
+    def fix(s: dict[str, Any]) -> dict[str, Any]:
+        if "properties" in s and "additionalProperties" not in s and "unevaluatedProperties" not in s:
+            s["additionalProperties"] = False
+            closed.add(id(s))
+        for member in s.get("allOf") if isinstance(s.get("allOf"), list) else ():
+            if isinstance(member, dict) and id(member) in closed:
+                del member["additionalProperties"]
+        return s
 
-def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    if "properties" in schema and "additionalProperties" not in schema:
-        schema["additionalProperties"] = False
-    return schema
+    return map_schemas(schema, fix)
 
 
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutputs:

@@ -75,8 +75,9 @@ struct LayerPlan {
 
 // x [T, Hkv, D] (D contiguous) into cache [B, S, Hkv, D] at [batch[t], pos[t]]: one copy per head row.
 // A 16-bit cache under a float32 model gets x rounded to its dtype as it is copied (c10's conversion,
-// round to nearest even: the bits torch's .to() gives, as the Python path's write). Rounded by an ATen
-// op first, the two rows cost 3-4 us a layer in the AVX2 case, more than the copy.
+// round to nearest even: the bits torch's .to() gives for every number, infinities and subnormals
+// included; a NaN stays a NaN, with c10's quiet-NaN bits rather than ATen's vectorized payload).
+// Rounded by an ATen op first, the two rows cost 3-4 us a layer in the AVX2 case, more than the copy.
 template <typename To>
 void store_rows_from_float(const torch::Tensor& cache, const torch::Tensor& x, const int64_t* batch,
                            const int64_t* pos) {
