@@ -93,6 +93,13 @@ class Outcome:
     stop_reason: int | str | None
     output_tokens: int
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    reasoning_tokens: int = 0  # its reasoning text's tokens (re-encoded: a reasoning parser splits text)
+
+
+async def _reasoning_tokens(server: Server, parts: list[Block]) -> int:
+    """The tokens of the blocks' reasoning text, encoded on the tokenizer pool (not the event loop)."""
+    thought = "".join(b.text for b in parts if b.kind == "reasoning")
+    return len(await server.tokens.encode(thought, add_special_tokens=False)) if thought else 0
 
 
 Body = Callable[[Outcome], dict[str, Any]]  # the API's answer to a run done
@@ -119,7 +126,8 @@ async def block_stream(server: Server, run: ChatRun, merged: Merged) -> AsyncIte
         yield step
     tokens = len(last.out.outputs[0].token_ids) if last else 0
     cached = last.out.num_cached_tokens if last else 0
-    yield Outcome(blocks.parts, finish, last.stop_reason if last else None, tokens, cached)
+    thought = await _reasoning_tokens(server, blocks.parts)
+    yield Outcome(blocks.parts, finish, last.stop_reason if last else None, tokens, cached, thought)
 
 
 def event_stream(events: AsyncIterator[dict[str, Any]]) -> Response:
@@ -146,7 +154,9 @@ async def serve_run(
     o = finals[0].outputs[0]
     message, finish = chat_message(run, o.text, o.finish_reason)
     blocks = message_blocks(message, finish == "length")
-    return JSONResponse(body(Outcome(blocks, finish, o.stop_reason, len(o.token_ids), finals[0].num_cached_tokens)))
+    thought = await _reasoning_tokens(server, blocks)
+    outcome = Outcome(blocks, finish, o.stop_reason, len(o.token_ids), finals[0].num_cached_tokens, thought)
+    return JSONResponse(body(outcome))
 
 
 def refuse_unhonoured(fields: dict[str, Any], names: tuple[str, ...]) -> None:

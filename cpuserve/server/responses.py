@@ -206,14 +206,11 @@ def _response(server: Server, run: ChatRun, req: ResponsesRequest, outcome: Outc
         body["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
         body["output"] = [_item(b) for b in outcome.parts]
         n_in, n_out = len(run.ids), outcome.output_tokens
-        # the reasoning text's tokens (re-encoded: the parser splits text, not tokens); 0 without any
-        thought = "".join(b.text for b in outcome.parts if b.kind == "reasoning")
-        reasoning = len(server.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
         body["usage"] = {
             "input_tokens": n_in,
             "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
             "output_tokens": n_out,
-            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "output_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens},
             "total_tokens": n_in + n_out,
         }
     return body
