@@ -244,3 +244,13 @@ def test_count_tokens_is_the_prompt_the_message_is_served_with(client, server):
     assert counted.input_tokens == served.usage.input_tokens + served.usage.cache_read_input_tokens > 0
     r = httpx.post(f"{server}/v1/messages/count_tokens", json={"messages": []}, headers=ANTHROPIC_HEADERS, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_only_context_edits_that_change_the_prompt_are_refused():
+    """Claude Code's clear_thinking edits change nothing here (past thinking is dropped anyway)."""
+    from cpuserve.server.anthropic_messages import _prompt_edits
+
+    tools = {"type": "clear_tool_uses_20250919"}
+    assert _prompt_edits({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}) == []
+    assert _prompt_edits({"edits": [{"type": "clear_thinking_20251015"}, tools]}) == [tools]
+    assert _prompt_edits(None) == [] and _prompt_edits("x") == []

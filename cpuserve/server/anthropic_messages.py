@@ -135,17 +135,11 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     config = extras.get("output_config") or {}
     if not isinstance(config, dict):
         raise InvalidRequest("output_config", "must be an object")
-    # Claude Code sends context_management; its clear_thinking edits change nothing here (past
-    # thinking is dropped from the prompt anyway), a clear_tool_uses edit would change the prompt.
-    edits = (
-        (extras.get("context_management") or {}).get("edits")
-        if isinstance(extras.get("context_management"), dict)
-        else None
-    )
-    tool_edits = [
-        e for e in edits or [] if not (isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking"))
-    ]
-    given = {**extras, "output_config.effort": config.get("effort"), "context_management.tool_uses": tool_edits}
+    given = {
+        **extras,
+        "output_config.effort": config.get("effort"),
+        "context_management.tool_uses": _prompt_edits(extras.get("context_management")),
+    }
     refuse_unhonoured(given, NOT_HONOURED)
     fmt = config.get("format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"):
@@ -164,6 +158,14 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         parallel_tool_calls=parallel,
         response_format={"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}} if fmt else None,
     )
+
+
+def _prompt_edits(management: Any) -> list[Any]:
+    """The context-management edits that would change the prompt. Claude Code sends clear_thinking
+    edits, which change nothing here (past thinking is dropped from the prompt anyway); a
+    clear_tool_uses edit would."""
+    edits = management.get("edits") if isinstance(management, dict) else None
+    return [e for e in edits or [] if not (isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking"))]
 
 
 def _messages(req: MessagesRequest) -> list[dict[str, Any]]:

@@ -75,7 +75,6 @@ KNOWN_EXTRAS = {
     "prompt_cache_options",
     "safety_identifier",
     "prediction",  # predicted output: a speed hint, the answer is the same without it
-    "request_id",  # vLLM's: a caller's id for the request (logs); the response id stays this server's
 }
 
 
