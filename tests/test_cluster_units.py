@@ -24,7 +24,7 @@ from cpuserve.cluster.metrics import IngressMetrics
 from cpuserve.cluster.prefix import BLOCK_CHARS, PrefixTable, block_hashes, prompt_text, request_prefix
 from cpuserve.cluster.replica import kv_share_gib
 from cpuserve.cluster.router import rank_replicas
-from cpuserve.server.serve import add_serve_args
+from cpuserve.server.serve_flags import add_serve_args
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters: four whole blocks
 

@@ -177,7 +177,7 @@ def test_serve_checks_the_flag_without_importing_torch():
     """serve validates flags before its thread plan, which must come before torch is imported."""
     code = (
         "import argparse, sys\n"
-        "from cpuserve.server.serve import add_serve_args, check_serve_args\n"
+        "from cpuserve.server.serve_flags import add_serve_args, check_serve_args\n"
         "p = argparse.ArgumentParser(); add_serve_args(p)\n"
         "check_serve_args(p.parse_args(['--kv-cache-dtype', 'fp8']))\n"
         "print('torch' in sys.modules)\n"

@@ -23,7 +23,7 @@ from cpuserve.engine import CompletionOutput, EngineStats, RequestFailed, Reques
 from cpuserve.server import stats_log
 from cpuserve.server.access_log import RecordingEngine
 from cpuserve.server.app import ServerConfig, create_app
-from cpuserve.server.serve import NO_EFFECT
+from cpuserve.server.serve_flags import NO_EFFECT
 
 KEY = "sk-operator-test-key-0042"
 SECRET_PROMPT = "SECRET-PROMPT-TEXT"
@@ -65,6 +65,7 @@ class _ScriptEngine:
     """AsyncEngine's public surface; every request plays `script` (an exception in it is raised)."""
 
     max_model_len = 4096
+    max_logprobs = 20
     vocab_size = _CharTokenizer.vocab_size
     alive = True
 
@@ -303,7 +304,7 @@ def test_log_prompts_adds_the_prompts_first_200_characters(caplog):
 def test_the_flags_are_no_longer_no_effect():
     import argparse
 
-    from cpuserve.server.serve import add_serve_args
+    from cpuserve.server.serve_flags import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)

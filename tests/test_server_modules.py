@@ -156,6 +156,7 @@ class _EchoEngine:
     """AsyncEngine's public surface, answering every request with one token at once."""
 
     max_model_len = 2048
+    max_logprobs = 20
     alive = True
 
     def __init__(self, tokenizer: _RecordingTokenizer) -> None:

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate.add_parser(sub)
 
-    from cpuserve.server.serve import add_serve_args
+    from cpuserve.server.serve_flags import add_serve_args
 
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API (a drop-in for `vllm serve`)")
     add_serve_args(srv)

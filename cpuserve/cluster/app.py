@@ -10,6 +10,7 @@ what `serve run cpuserve.cluster.app:build model=... replicas=2` (or a Serve con
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
@@ -57,7 +58,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def serve_argv(args: argparse.Namespace) -> list[str]:
     """The serve flags in `args` written back as a command line (the replicas parse it as `cpuserve serve`)."""
-    from cpuserve.server.serve import add_serve_args
+    from cpuserve.server.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
@@ -76,8 +77,10 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
             argv.append(f"--{'' if value else 'no-'}{action.option_strings[0].removeprefix('--')}")
         elif action.nargs == 0:
             argv.append(action.option_strings[0])
-        elif isinstance(value, list):
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
             argv += [action.option_strings[0], *map(str, value)]
+        elif isinstance(value, list):  # one JSON value (the CORS lists)
+            argv += [action.option_strings[0], json.dumps(value)]
         else:
             argv += [action.option_strings[0], str(value)]
     return argv
@@ -95,13 +98,19 @@ def replica_argv(args: argparse.Namespace) -> tuple[list[str], argparse.Namespac
     do not see this environment.
     """
     from cpuserve.cluster.replica import serve_args
-    from cpuserve.server.serve import check_serve_args
+    from cpuserve.server.serve_flags import check_serve_args
 
     argv = serve_argv(args)
     parsed = serve_args(argv)
     check_serve_args(parsed)
-    if parsed.uvicorn_log_level != "warning":
-        raise CpuserveError("--uvicorn-log-level: replicas run no uvicorn of their own (Ray Serve's proxy serves HTTP)")
+    http_only = ("uvicorn_log_level", "root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
+    http_only += ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "disable_fastapi_docs")
+    default = serve_args([])
+    for name in http_only:
+        if getattr(parsed, name) != getattr(default, name):
+            raise CpuserveError(
+                f"--{name.replace('_', '-')}: replicas run no HTTP server of their own (Ray Serve's proxy serves HTTP)"
+            )
     api_key = parsed.api_key or os.environ.get("VLLM_API_KEY") or None
     if api_key and not parsed.api_key:
         argv += ["--api-key", api_key]
@@ -174,7 +183,7 @@ def build_application(args: argparse.Namespace) -> Any:
 def build(config: dict[str, Any]) -> Any:
     """`serve run cpuserve.cluster.app:build model=PATH replicas=2 serve_args='--max-num-seqs 32'`
     (or a Serve config file's `args`): each key a flag of `cpuserve cluster`, true for a switch."""
-    from cpuserve.server.serve import add_serve_args
+    from cpuserve.server.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser(prog="cpuserve.cluster.app:build", exit_on_error=False)
     add_serve_args(parser)

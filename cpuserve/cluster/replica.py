@@ -25,7 +25,7 @@ log = logging.getLogger("cpuserve")
 
 def serve_args(argv: list[str]) -> argparse.Namespace:
     """Parse serve flags exactly as `cpuserve serve` does."""
-    from cpuserve.server.serve import add_serve_args
+    from cpuserve.server.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser(prog="cpuserve serve")
     add_serve_args(parser)

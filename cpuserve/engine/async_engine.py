@@ -207,6 +207,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 

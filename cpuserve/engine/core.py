@@ -46,6 +46,8 @@ class EngineConfig:
     # this, so a run is reproducible (the same requests in the same order give the same outputs)
     # while two unseeded requests still differ. None: from the OS.
     seed: int | None = None
+    # vLLM's --max-logprobs: the most logprobs a request may ask for; -1: the vocabulary
+    max_logprobs: int = defaults.MAX_LOGPROBS
 
 
 class EngineCore:

@@ -6,21 +6,27 @@ with the GIL released, so a long prompt's tokenization never delays anybody's de
 from __future__ import annotations
 
 from cpuserve.engine.requests import EngineCoreRequest
-from cpuserve.engine.sampling_params import InvalidRequest, SamplingParams
+from cpuserve.engine.sampling_params import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from cpuserve.engine.structured import GrammarCompiler
 from cpuserve.tokenizer import Tokenizer
 
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarCompiler | None = None
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        grammars: GrammarCompiler | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.grammars = grammars
+        self.max_logprobs = max_logprobs
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineCoreRequest:
         """Tokenize and validate; an impossible request raises InvalidRequest naming the parameter."""
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.max_logprobs)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode_off_gil(prompt)
         else:

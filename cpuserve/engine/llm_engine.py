@@ -62,7 +62,8 @@ class LLMEngine:
         self.eos_ids = eos_token_ids(model, tokenizer, defaults or GenerationDefaults())
         self.core = EngineCore(model, config, max_len, self.eos_ids)
         self.grammars = GrammarCompiler(tokenizer.to_json(), self.vocab_size, self.eos_ids)
-        self.inputs = InputProcessor(tokenizer, self.vocab_size, max_len, self.grammars)
+        self.max_logprobs = self.vocab_size if config.max_logprobs == -1 else config.max_logprobs
+        self.inputs = InputProcessor(tokenizer, self.vocab_size, max_len, self.grammars, self.max_logprobs)
         self.states: dict[str, RequestState] = {}
         self.facts: dict | None = None  # the model's footprint facts when built by from_model_dir
         self.pooling = PoolingConfig()  # how embedding requests pool (from_model_dir reads the model's)
@@ -149,13 +150,16 @@ class LLMEngine:
         overrides=None,  # type: ignore[no-untyped-def]
         quantize_lm_head: str | None = None,
         model: CausalLM | None = None,
+        tokenizer_dir: Path | None = None,
     ) -> LLMEngine:
         """Read the model directory once (config, quantization config, headers), size the KV cache
         from the platform memory plan (unless given) and load. Environment settings come from
         `overrides` (read and validated once at start; read here if not given); an explicit
         quantize_lm_head (the --quantize-lm-head flag) wins over CPUSERVE_QUANTIZE_LM_HEAD; with neither,
         the head is int8 (loader.DEFAULT_LM_HEAD), "none" keeps it. `model`: this directory's model,
-        already loaded (by another engine: a benchmark's engines with different caches share it)."""
+        already loaded (by another engine: a benchmark's engines with different caches share it).
+        `tokenizer_dir`: vLLM's --tokenizer, a local directory whose tokenizer (and chat template)
+        replaces the model's own; its vocabulary must fit the model's."""
         from cpuserve.model.footprint import model_facts, plan_model_memory
         from cpuserve.model.loader import lm_head_setting, load_model
         from cpuserve.model.source import ModelSource
@@ -168,6 +172,11 @@ class LLMEngine:
             overrides = read_overrides(os.environ)
         source = ModelSource.open(model_dir)
         spec, _, facts = model_facts(source, dtype, config.kv_cache_dtype)
+        tokenizer = Tokenizer(tokenizer_dir or model_dir)  # before the weights: a wrong one fails at once
+        if tokenizer.vocab_size > spec.vocab_size:
+            raise ConfigError(
+                f"tokenizer {tokenizer_dir}: {tokenizer.vocab_size} tokens, more than the model's {spec.vocab_size}"
+            )
         if config.kv_cache_dtype == "auto" and facts.get("kv_cache_storage"):
             config.kv_cache_dtype = facts["kv_cache_storage"]  # footprint.auto_kv_storage: the checkpoint's
         if config.num_kv_blocks is None:
@@ -188,7 +197,7 @@ class LLMEngine:
         if model is None:
             head = lm_head_setting(quantize_lm_head, overrides.quantize_lm_head)
             model = load_model(source, dtype, quantize_lm_head=head)
-        engine = cls(model, Tokenizer(model_dir), config, GenerationDefaults.load(model_dir))
+        engine = cls(model, tokenizer, config, GenerationDefaults.load(model_dir))
         engine.pooling = PoolingConfig.load(model_dir)
         engine.facts = facts
         return engine

@@ -6,12 +6,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cpuserve import defaults
 from cpuserve.errors import CpuserveError
 
 if TYPE_CHECKING:
     from cpuserve.engine.structured.spec import StructuredOutputs
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = defaults.MAX_LOGPROBS
 MAX_N = 16
 
 
@@ -53,8 +54,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise InvalidRequest naming the first impossible parameter."""
+    def validate(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise InvalidRequest naming the first impossible parameter (logprobs: at most `max_logprobs`)."""
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequest("n", f"must be between 1 and {MAX_N}, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -91,8 +92,8 @@ class SamplingParams:
                 raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise InvalidRequest(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+            if value is not None and not 0 <= value <= max_logprobs:
+                raise InvalidRequest(name, f"must be between 0 and {max_logprobs}, got {value}")
         for token, bias in self.logit_bias.items():
             if not 0 <= int(token) < vocab_size:
                 raise InvalidRequest("logit_bias", f"token id {token} is outside the vocabulary (0..{vocab_size - 1})")

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from cpuserve.engine import MAX_LOGPROBS, InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs
+from cpuserve.engine import InvalidRequest, RequestOutput, SamplingParams, StructuredOutputs
 from cpuserve.server import streaming
 from cpuserve.server.errors import APIError
 from cpuserve.server.logprobs import chat_logprobs, prompt_logprobs_json
@@ -171,8 +171,9 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     server.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:  # chat's name for it
-        raise APIError(400, f"must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}", param="top_logprobs")
+    limit = server.engine.max_logprobs
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= limit:  # chat's name for it
+        raise APIError(400, f"must be between 0 and {limit}, got {req.top_logprobs}", param="top_logprobs")
     plan = plan_tools(
         req.tools, req.tool_choice, req.parallel_tool_calls, server.tool_parser, server.config.enable_auto_tool_choice
     )
@@ -250,11 +251,7 @@ def _body(server: Server, run: ChatRun, req: ChatCompletionRequest, out: Request
         "created": run.created,
         "model": server.model_name,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": completion,
-            "total_tokens": prompt_len + completion,
-        },
+        "usage": server.usage(prompt_len, completion, out.num_cached_tokens),
     }
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(server.tokenizer, out.prompt_logprobs)
@@ -340,7 +337,7 @@ async def _events(
     req: ChatCompletionRequest,
     merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[dict[str, Any]]:
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body = {
             "id": run.rid,
             "object": "chat.completion.chunk",
@@ -376,7 +373,4 @@ async def _events(
             yield chunk([choice])
     if req.stream_options and req.stream_options.include_usage and last is not None:
         prompt_len, completion = len(run.ids), sum(len(o.token_ids) for o in last.outputs)
-        yield chunk(
-            [],
-            {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion},
-        )
+        yield chunk([], server.usage(prompt_len, completion, last.num_cached_tokens))

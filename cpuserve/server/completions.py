@@ -77,9 +77,10 @@ async def _body(
     server: Server, rid: str, created: int, req: CompletionRequest, finals: list[RequestOutput]
 ) -> dict[str, Any]:
     tokenizer = server.tokenizer
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for i, out in enumerate(finals):
         prompt_tokens += len(out.prompt_token_ids)
+        cached_tokens += out.num_cached_tokens
         prompt_text = await server.tokens.decode(out.prompt_token_ids, skip_special_tokens=False) if req.echo else ""
         for o in out.outputs:
             completion_tokens += len(o.token_ids)
@@ -105,11 +106,7 @@ async def _body(
         "created": created,
         "model": server.model_name,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": server.usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -124,9 +121,11 @@ async def _events(
     sent: dict[int, tuple[int, int, int]] = {}  # choice index -> (chars, logprob entries, token ids) sent
     echoed: dict[int, int] = {}  # choice index -> characters of the echoed prompt its first chunk sent
     prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     async for i, out in merged:
         prompt_tokens[i] = len(out.prompt_token_ids)
+        cached_tokens[i] = out.num_cached_tokens
         for o in out.outputs:
             idx = i * req.n + o.index
             chars, nlp, nids = sent.get(idx, (0, 0, 0))
@@ -174,5 +173,5 @@ async def _events(
             "created": created,
             "model": server.model_name,
             "choices": [],
-            "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+            "usage": server.usage(p, c, sum(cached_tokens.values())),
         }

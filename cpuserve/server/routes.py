@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from cpuserve import __version__
@@ -42,12 +43,23 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         stop_stats_log(stats_log)
         server.tokens.shutdown()  # after the last connection closed: no request needs it now
 
-    app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan)
+    docs = {} if config.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan, **docs)
     app.state.server = server
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
-    # Added last, so outermost (Starlette puts each add_middleware in front of the ones before it):
-    # a request without the key gets 401 before its body is read, counted (413) or parsed (400).
+    # Starlette puts each add_middleware in front of the ones before it: a request without the key
+    # gets 401 before its body is read, counted (413) or parsed (400) ...
     app.add_middleware(APIKeyAuth, api_key=config.api_key)
+    # ... and CORS is in front of the key check: a browser's preflight carries no key, and a 401
+    # needs the CORS headers for the page to read it.
+    cors = config.cors
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.origins,
+        allow_methods=cors.methods,
+        allow_headers=cors.headers,
+        allow_credentials=cors.credentials,
+    )
     install_error_handlers(app)
     install_access_log(app, server)  # after the handlers and every add_middleware: outermost, sees each 401
 

@@ -1,7 +1,7 @@
 """What every handler shares: the engine, the configuration, metrics, the tokenizer pool, the drain flag.
 
 The server knows the engine only through AsyncEngine's public surface (generate, abort, tokenizer,
-max_model_len, vocab_size, stats); it never reaches inside it.
+max_model_len, max_logprobs, vocab_size, stats); it never reaches inside it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,17 @@ from cpuserve.server.tokenizing import TokenizerPool
 from cpuserve.server.tool_parsers import get_tool_parser
 
 
+@dataclass(frozen=True)
+class CorsPolicy:
+    """vLLM's CORS flags (--allowed-origins/-methods/-headers, --allow-credentials), vLLM's defaults:
+    any origin may call the API from a browser, without credentials."""
+
+    origins: list[str] = field(default_factory=lambda: ["*"])
+    methods: list[str] = field(default_factory=lambda: ["*"])
+    headers: list[str] = field(default_factory=lambda: ["*"])
+    credentials: bool = False
+
+
 @dataclass
 class ServerConfig:
     served_model_names: list[str]
@@ -32,6 +43,9 @@ class ServerConfig:
     log_requests: bool = True  # an access line per API request (off: --disable-log-requests)
     log_prompts: bool = False  # --log-prompts: access lines carry the prompt's first 200 characters
     log_stats: bool = True  # engine stats lines every 10 s while busy (off: --disable-log-stats)
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how much was cached
+    api_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
 
 
 class Server:
@@ -58,6 +72,18 @@ class Server:
             raise APIError(
                 503, "The server is at capacity; retry shortly.", "ServiceUnavailableError", code="server_overloaded"
             )
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        """OpenAI's usage object; with --enable-prompt-tokens-details, the prompt's tokens found in
+        the prefix cache too (vLLM's prompt_tokens_details)."""
+        body: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if self.config.prompt_tokens_details:
+            body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return body
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         """The request's max_tokens cut to what fits in the context after the prompt, as vLLM does
