@@ -420,7 +420,11 @@ __attribute__((target(CPK_VNNI_TARGET))) PanelRun widen_int6_run(const PanelRun&
 // W8A8 panels [p0, p1) (offset panels) for all M rows.
 __attribute__((target(CPK_VNNI_TARGET))) void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
-  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; });
+  auto make = [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; };
+  if (a.m <= kStreamRows)
+    for_each_run<3, 1>(a.m, p0, p1, make);  // one contiguous stream (panel_runs.h)
+  else
+    for_each_run<3, 4>(a.m, p0, p1, make);
 }
 
 // W4A8 panels [p0, p1) with scales in panel order, for all M rows.
@@ -435,7 +439,11 @@ __attribute__((target(CPK_VNNI_TARGET))) void w4a8_avx512_vnni(const LinearArgs&
     });
     return;
   }
-  for_each_run<3, 4>(a.m, p0, p1, [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; });
+  auto make = [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; };
+  if (a.m <= kStreamRows)
+    for_each_run<3, 1>(a.m, p0, p1, make);  // one contiguous stream (panel_runs.h)
+  else
+    for_each_run<3, 4>(a.m, p0, p1, make);
 }
 
 // max_ps(a, b) returns b when a is NaN: with the running maximum (or the clamp bound) second, NaN
