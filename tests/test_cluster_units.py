@@ -187,6 +187,15 @@ def test_serve_flags_reach_replicas_as_written() -> None:
         "1",
         "--quantize-lm-head",
         "none",
+        "--max-logprobs",
+        "-1",
+        "--override-generation-config",
+        '{"top_k": 5}',
+        "-q",
+        "gguf",
+        "--enable-chunked-prefill",
+        "--allowed-origins",
+        '["https://a.example", "https://b.example"]',
     ]
     args = _parser().parse_args(argv)
     replica_argv = serve_argv(args)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -24,6 +26,7 @@ from cpuserve.server.serve_flags import (
     add_serve_args,
     check_model_flags,
     check_serve_args,
+    checked_generation_overrides,
     generation_overrides,
     local_tokenizer,
 )
@@ -64,6 +67,7 @@ def test_vllm_flags_parse_with_vllm_meanings():
     assert args.quantization == "gguf" and args.load_format == "gguf" and args.max_logprobs == 5
     assert args.allowed_origins == ["https://a.example", "https://b.example"] and args.allow_credentials
     assert (args.allowed_methods, args.allowed_headers) == (["*"], ["*"])  # vLLM's defaults
+    assert _parse().allowed_origins == []  # vLLM's: no cross-origin browser access unless named
     assert args.root_path == "/api" and args.disable_fastapi_docs
     assert generation_overrides(args.override_generation_config) == {"temperature": 0.5, "top_k": 3}
 
@@ -88,13 +92,16 @@ def test_no_effect_flags_are_logged_once_each(caplog):
         (["--max-logprobs", "-2"], "--max-logprobs must be -1"),
         (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/etc/hostname"], "--ssl-keyfile /nonexistent.key"),
-        (["--ssl-cert-reqs", "3"], "--ssl-cert-reqs must be 0"),
+        (["--ssl-keyfile", "/etc/hostname", "--ssl-certfile", "/etc/hostname"], "--ssl-certfile /etc/hostname"),
+        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile"),
+        (["--ssl-ca-certs", "/etc/hostname"], "--ssl-ca-certs and --ssl-cert-reqs need"),
         (["--root-path", "api"], "--root-path api: a path prefix"),
         (["--root-path", "/api/"], "--root-path /api/: a path prefix"),
         (["--override-generation-config", "{temperature"], "--override-generation-config: not JSON"),
         (["--override-generation-config", "[1]"], "expected a JSON object"),
         (["--override-generation-config", '{"max_new_tokens": 5}'], "max_new_tokens cannot be honoured"),
         (["--override-generation-config", '{"temperature": "hot"}'], "temperature must be a number"),
+        (["--override-generation-config", '{"top_k": 2.5}'], "top_k must be an integer, got 2.5"),
     ],
 )
 def test_values_that_cannot_be_honoured_are_refused(argv, says):
@@ -153,15 +160,44 @@ def test_tokenizer_must_be_a_local_directory(tmp_path):
     assert local_tokenizer(str(tmp_path)) == tmp_path
 
 
-def test_uvicorn_gets_root_path_and_tls(tmp_path):
-    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
-    key.write_text("k")
-    cert.write_text("c")
-    args = _parse("--root-path", "/api", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--port", "9")
+def test_override_values_are_held_to_a_requests_bounds():
+    assert checked_generation_overrides('{"top_k": 5.0, "temperature": 0.5}') == {"top_k": 5, "temperature": 0.5}
+    for text, says in [
+        ('{"temperature": -1}', "temperature: must be >= 0"),
+        ('{"top_p": 0}', "top_p: must be in (0, 1]"),
+    ]:
+        with pytest.raises(CpuserveError, match=re.escape(f"--override-generation-config: {says}")):
+            checked_generation_overrides(text)
+
+
+SUBJECT = ("-subj", "/CN=localhost", "-days", "1")
+
+
+def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, *SUBJECT],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+def test_tls_files_are_checked_before_loading_and_reach_uvicorn(tmp_path):
+    key, cert = _self_signed(tmp_path, "a")
+    other_key, _ = _self_signed(tmp_path, "b")
+    args = _parse("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--port", "9")
     check_serve_args(args)
     config = uvicorn_config(args, app=None)
-    assert (config.root_path, config.ssl_keyfile, config.ssl_certfile, config.port) == ("/api", str(key), str(cert), 9)
-    assert uvicorn_config(_parse(), app=None).root_path == ""
+    assert (config.ssl_keyfile, config.ssl_certfile, config.port) == (str(key), str(cert), 9)
+    mismatched = f"--ssl-certfile {cert} / --ssl-keyfile {other_key}"
+    assert _refused("--ssl-keyfile", str(other_key), "--ssl-certfile", str(cert)).startswith(mismatched)
+    assert "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs" in _refused(
+        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-cert-reqs", "2"
+    )
+    check_serve_args(_parse("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs", str(cert)))
 
 
 def test_max_logprobs_bounds_logprobs_and_prompt_logprobs():
@@ -191,8 +227,17 @@ def _send(app, method: str, path: str, headers: dict[str, str]) -> httpx.Respons
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
 
 
+def test_no_cross_origin_access_by_default():
+    app = create_app(_StubEngine(), ServerConfig(served_model_names=["m"]))  # type: ignore[arg-type]
+    pre = _send(app, "OPTIONS", "/v1/chat/completions", {"Origin": "https://x.example", **PREFLIGHT})
+    assert pre.status_code == 400 and "access-control-allow-origin" not in pre.headers
+    plain = _send(app, "GET", "/v1/models", {"Origin": "https://x.example"})
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
 def test_cors_answers_preflights_before_the_key_check_and_marks_401s():
-    app = create_app(_StubEngine(), ServerConfig(served_model_names=["m"], api_key="k"))  # type: ignore[arg-type]
+    config = ServerConfig(served_model_names=["m"], api_key="k", cors=CorsPolicy(["*"]))
+    app = create_app(_StubEngine(), config)  # type: ignore[arg-type]
     pre = _send(app, "OPTIONS", "/v1/chat/completions", {"Origin": "https://x.example", **PREFLIGHT})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
     assert "POST" in pre.headers["access-control-allow-methods"]
@@ -319,4 +364,6 @@ def test_server_cors_and_root_path(flagged):
     other = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://b.example", **PREFLIGHT})
     assert other.status_code == 400
     assert httpx.get(f"{base}/openapi.json", timeout=60).json()["servers"] == [{"url": "/api"}]
-    assert httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"] == "smol"
+    # behind a proxy that strips the prefix, and one that does not (vLLM's FastAPI root_path)
+    for path in ("/v1/models", "/api/v1/models"):
+        assert httpx.get(f"{base}{path}", timeout=60).json()["data"][0]["id"] == "smol"

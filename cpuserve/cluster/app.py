@@ -98,11 +98,12 @@ def replica_argv(args: argparse.Namespace) -> tuple[list[str], argparse.Namespac
     do not see this environment.
     """
     from cpuserve.cluster.replica import serve_args
-    from cpuserve.server.serve_flags import check_serve_args
+    from cpuserve.server.serve_flags import check_serve_args, local_tokenizer
 
     argv = serve_argv(args)
     parsed = serve_args(argv)
     check_serve_args(parsed)
+    local_tokenizer(parsed.tokenizer)  # here, not in each replica after Ray has started
     http_only = ("uvicorn_log_level", "root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
     http_only += ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "disable_fastapi_docs")
     default = serve_args([])

@@ -173,9 +173,9 @@ class LLMEngine:
         source = ModelSource.open(model_dir)
         spec, _, facts = model_facts(source, dtype, config.kv_cache_dtype)
         tokenizer = Tokenizer(tokenizer_dir or model_dir)  # before the weights: a wrong one fails at once
-        if tokenizer.vocab_size > spec.vocab_size:
+        if tokenizer_dir is not None and tokenizer.vocab_size > spec.vocab_size:
             raise ConfigError(
-                f"tokenizer {tokenizer_dir}: {tokenizer.vocab_size} tokens, more than the model's {spec.vocab_size}"
+                f"--tokenizer {tokenizer_dir}: {tokenizer.vocab_size} tokens, more than the model's {spec.vocab_size}"
             )
         if config.kv_cache_dtype == "auto" and facts.get("kv_cache_storage"):
             config.kv_cache_dtype = facts["kv_cache_storage"]  # footprint.auto_kv_storage: the checkpoint's

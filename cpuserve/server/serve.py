@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from cpuserve.errors import CpuserveError
-from cpuserve.server.serve_flags import check_model_flags, check_serve_args, generation_overrides, local_tokenizer
+from cpuserve.server.serve_flags import (
+    check_model_flags,
+    check_serve_args,
+    checked_generation_overrides,
+    local_tokenizer,
+)
 
 log = logging.getLogger("cpuserve")
 
@@ -69,6 +74,7 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
     args.model = args.model or args.model_flag
     check_serve_args(args)
     machine, overrides, _ = platform_plan(args)
+    sampling_overrides = checked_generation_overrides(args.override_generation_config)  # before the load
     from cpuserve.engine import AsyncEngine, EngineConfig, LLMEngine
     from cpuserve.model.resolve import BUNDLED_NAME, resolve_model
     from cpuserve.server.app import ServerConfig, create_app
@@ -114,7 +120,7 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
             chat_template=_chat_template(args.chat_template),
             sampling_defaults={
                 **_sampling_defaults(args.generation_config, model_dir),
-                **generation_overrides(args.override_generation_config),
+                **sampling_overrides,
             },
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
@@ -126,6 +132,7 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
             log_stats=not args.disable_log_stats,
             prompt_tokens_details=args.enable_prompt_tokens_details,
             api_docs=not args.disable_fastapi_docs,
+            root_path=args.root_path or "",
             cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials),
         ),
     )
@@ -142,7 +149,8 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
 
 
 def uvicorn_config(args: argparse.Namespace, app: Any) -> Any:
-    """uvicorn's settings from the flags: address, log level, --root-path and HTTPS (--ssl-*)."""
+    """uvicorn's settings from the flags: address, log level and HTTPS (--ssl-*; check_tls has built
+    the same context once)."""
     import uvicorn
 
     return uvicorn.Config(
@@ -151,7 +159,6 @@ def uvicorn_config(args: argparse.Namespace, app: Any) -> Any:
         port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=False,  # cpuserve.access logs each request (access_log.py)
-        root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,

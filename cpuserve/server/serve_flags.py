@@ -175,9 +175,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="JSON sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}'",
     )
     p.add_argument("--root-path", default=None, help="the path prefix a proxy in front of the server strips")
-    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS: JSON list (default ["*"])')
-    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: JSON list")
-    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: JSON list")
+    p.add_argument(
+        "--allowed-origins", type=_json_list, default=[], help="CORS: JSON list of origins (default none, as vLLM)"
+    )
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS: JSON list (default ["*"])')
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS: JSON list (default ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None)
@@ -187,6 +189,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage says how much was cached")
     # Accepted, no effect here (see NO_EFFECT).
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-seq-len-to-capture", type=int, default=None)
@@ -194,7 +197,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-frontend-multiprocessing", action="store_true")
     p.add_argument("--max-parallel-loading-workers", type=int, default=None)
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--revision", default=None)
     p.add_argument("--tokenizer-revision", default=None)
     p.add_argument("--code-revision", default=None)
@@ -225,17 +227,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise CpuserveError(f"--load-format {args.load_format}: {why} (auto, safetensors or gguf)")
     if args.max_logprobs < -1:
         raise CpuserveError("--max-logprobs must be -1 (the vocabulary) or >= 0")
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        raise CpuserveError("--ssl-keyfile and --ssl-certfile go together")
-    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
-        value = getattr(args, name)
-        if value is not None and not Path(value).is_file():
-            raise CpuserveError(f"--{name.replace('_', '-')} {value}: no such file")
-    if args.ssl_cert_reqs not in (0, 1, 2):
-        raise CpuserveError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+    check_tls(args)
     if args.root_path is not None and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise CpuserveError(f"--root-path {args.root_path}: a path prefix like /api (leading /, no trailing /)")
-    generation_overrides(args.override_generation_config)  # refuses what it cannot honour
+    generation_overrides(args.override_generation_config)  # refuses what it cannot honour (values: build_server)
     is_int8(args.kv_cache_dtype)  # refuses a name it does not know
     if args.device not in (None, "cpu", "auto"):
         raise CpuserveError(f"--device {args.device}: cpuserve runs on the CPU only")
@@ -268,8 +263,38 @@ def check_serve_args(args: argparse.Namespace) -> None:
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def check_tls(args: argparse.Namespace) -> None:
+    """The --ssl-* flags, checked by building the TLS context uvicorn will (a bad PEM or a key that
+    does not match the certificate fails here, in one line, not after the model has loaded)."""
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs != 0:
+            raise CpuserveError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+        return
+    if args.ssl_keyfile is None or args.ssl_certfile is None:
+        raise CpuserveError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise CpuserveError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+    if args.ssl_cert_reqs != 0 and args.ssl_ca_certs is None:
+        raise CpuserveError(
+            "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (what client certificates are checked against)"
+        )
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise CpuserveError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {exc}") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise CpuserveError(f"--ssl-ca-certs {args.ssl_ca_certs}: {exc}") from None
+
+
 def generation_overrides(text: str | None) -> dict[str, Any]:
-    """--override-generation-config's JSON object, checked: sampling defaults over the model's."""
+    """--override-generation-config's JSON object, checked as a request's values are: sampling
+    defaults over the model's, which no request would be refused for."""
     if text is None:
         return {}
     try:
@@ -287,7 +312,22 @@ def generation_overrides(text: str | None) -> dict[str, Any]:
     for key, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise CpuserveError(f"--override-generation-config: {key} must be a number, got {v!r}")
-    return value
+    if "top_k" in value and value["top_k"] != int(value["top_k"]):
+        raise CpuserveError(f"--override-generation-config: top_k must be an integer, got {value['top_k']}")
+    return {k: int(v) if k == "top_k" else v for k, v in value.items()}
+
+
+def checked_generation_overrides(text: str | None) -> dict[str, Any]:
+    """generation_overrides, their values held to a request's bounds (imports the engine, so torch:
+    called after the platform plan has set the threads up)."""
+    values = generation_overrides(text)
+    from cpuserve.engine import InvalidRequest, SamplingParams
+
+    try:  # the vocabulary is not known yet: top_k's upper bound is checked per request
+        SamplingParams(**values).validate(2**31 - 1)
+    except InvalidRequest as exc:
+        raise CpuserveError(f"--override-generation-config: {exc}") from None
+    return values
 
 
 def checkpoint_method(model_dir: Path) -> str | None:

@@ -21,9 +21,9 @@ from cpuserve.server.tool_parsers import get_tool_parser
 @dataclass(frozen=True)
 class CorsPolicy:
     """vLLM's CORS flags (--allowed-origins/-methods/-headers, --allow-credentials), vLLM's defaults:
-    any origin may call the API from a browser, without credentials."""
+    no other origin may call the API from a browser until --allowed-origins names it."""
 
-    origins: list[str] = field(default_factory=lambda: ["*"])
+    origins: list[str] = field(default_factory=list)
     methods: list[str] = field(default_factory=lambda: ["*"])
     headers: list[str] = field(default_factory=lambda: ["*"])
     credentials: bool = False
@@ -45,6 +45,9 @@ class ServerConfig:
     log_stats: bool = True  # engine stats lines every 10 s while busy (off: --disable-log-stats)
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how much was cached
     api_docs: bool = True  # /docs, /redoc, /openapi.json (off: --disable-fastapi-docs)
+    # --root-path: the prefix a proxy adds (FastAPI's root_path, as vLLM sets it): routes answer with
+    # and without it, and the API's description names it
+    root_path: str = ""
     cors: CorsPolicy = field(default_factory=CorsPolicy)
 
 
