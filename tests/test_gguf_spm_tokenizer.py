@@ -502,3 +502,16 @@ def test_the_gemma_turns_keep_every_system_message_before_the_next_user_turn():
         "<start_of_turn>model\nSalut<end_of_turn>\n"
         "<start_of_turn>user\nNow in English.\n\nBye<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_the_gemma_turns_refuse_a_system_message_after_the_last_turn(tmp_path):
+    """A trailing system message had no turn to go in and vanished; it is refused with the reason."""
+    from cpuserve.tokenizer import ChatTemplateError
+
+    tok = Tokenizer.__new__(Tokenizer)  # only the template sandbox is used
+    tok._compiled, tok.chat_template = {}, GEMMA_TURNS
+    tok.bos_token = tok.eos_token = None
+    fine = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(fine, True).endswith("Be terse.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(ChatTemplateError, match="a system message after the last user or assistant message"):
+        tok.apply_chat_template([*fine, {"role": "system", "content": "Answer in JSON."}], True)

@@ -28,7 +28,7 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"  # the served model name when no model is
 # Bump when the converter's output changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
 # Bump when what a GGUF's serving directory holds changes (config, tokenizer files).
-GGUF_DIR_VERSION = 3
+GGUF_DIR_VERSION = 4
 
 
 def bundled_gguf() -> Path:

@@ -394,7 +394,9 @@ def tokenizer_files(meta: dict[str, Any], config: dict[str, Any], source: Path) 
 # Chat formats fixed by an architecture, for GGUFs that carry no template (the Gemma 3 files do
 # not): Gemma's turns are `<start_of_turn>ROLE\nTEXT<end_of_turn>\n`, the assistant's role named
 # "model", the system messages' text put at the start of the next user turn (Gemma has no system
-# role; several system messages, such as Responses' instructions and a developer item, all kept).
+# role; several system messages, such as Responses' instructions and a developer item, all kept). A
+# system message after the last turn has no turn to go in: refused (it was dropped), as Gemma's own
+# template refuses any system message but the first.
 ARCH_TEMPLATES = {
     "gemma3": (
         "{{ bos_token }}{% set ns = namespace(prefix='') %}"
@@ -403,6 +405,8 @@ ARCH_TEMPLATES = {
         "{% if m['role'] == 'system' %}{% set ns.prefix = ns.prefix ~ text | trim ~ '\n\n' %}"
         "{% else %}{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\n' ~ ns.prefix"
         " ~ (text | trim) ~ '<end_of_turn>\n' }}{% set ns.prefix = '' %}{% endif %}{% endfor %}"
+        "{% if ns.prefix %}{{ raise_exception('a system message after the last user or assistant message: "
+        "Gemma has no system role, and no turn follows it to carry its text') }}{% endif %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
     ),
 }
