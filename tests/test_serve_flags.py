@@ -367,3 +367,17 @@ def test_server_cors_and_root_path(flagged):
     # behind a proxy that strips the prefix, and one that does not (vLLM's FastAPI root_path)
     for path in ("/v1/models", "/api/v1/models"):
         assert httpx.get(f"{base}{path}", timeout=60).json()["data"][0]["id"] == "smol"
+
+
+def test_served_penalty_defaults_apply_unless_the_request_sets_them():
+    from cpuserve.server.protocol import CompletionRequest
+
+    defaults = generation_overrides('{"presence_penalty": 1.5, "frequency_penalty": -0.5}')
+    unset = CompletionRequest(prompt="x").sampling_params(None, defaults, 4, None)
+    assert (unset.presence_penalty, unset.frequency_penalty) == (1.5, -0.5)
+    own = CompletionRequest(prompt="x", presence_penalty=0, frequency_penalty=0.25).sampling_params(
+        None, defaults, 4, None
+    )
+    assert (own.presence_penalty, own.frequency_penalty) == (0, 0.25)
+    plain = CompletionRequest(prompt="x").sampling_params(None, {}, 4, None)
+    assert (plain.presence_penalty, plain.frequency_penalty) == (0.0, 0.0)

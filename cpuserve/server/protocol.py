@@ -139,8 +139,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # None: the served defaults' (--override-generation-config), else 0
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
@@ -195,8 +195,8 @@ class SamplingFields(BaseModel):
             top_k=pick("top_k", 0) or 0,
             min_p=pick("min_p", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
             logit_bias=bias,
             seed=self.seed,
             stop=stop,

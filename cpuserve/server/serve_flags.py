@@ -260,7 +260,15 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 
 # --override-generation-config keys this engine applies as request defaults (vLLM's names).
-GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def check_tls(args: argparse.Namespace) -> None:
