@@ -90,16 +90,20 @@ def test_no_effect_flags_are_logged_once_each(caplog):
         (["--load-format", "dummy"], "--load-format dummy: not supported"),
         (["-dp", "2"], "--data-parallel-size must be 1"),
         (["--max-logprobs", "-2"], "--max-logprobs must be -1"),
-        (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile and --ssl-certfile go together"),
-        (["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/etc/hostname"], "--ssl-keyfile /nonexistent.key"),
+        (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile needs --ssl-certfile"),
+        (
+            ["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/etc/hostname"],
+            "--ssl-keyfile /nonexistent.key: no such file",
+        ),
         (["--ssl-keyfile", "/etc/hostname", "--ssl-certfile", "/etc/hostname"], "--ssl-certfile /etc/hostname"),
-        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile"),
+        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
         (["--ssl-ca-certs", "/etc/hostname"], "--ssl-ca-certs and --ssl-cert-reqs need"),
         (["--root-path", "api"], "--root-path api: a path prefix"),
         (["--root-path", "/api/"], "--root-path /api/: a path prefix"),
         (["--override-generation-config", "{temperature"], "--override-generation-config: not JSON"),
         (["--override-generation-config", "[1]"], "expected a JSON object"),
-        (["--override-generation-config", '{"max_new_tokens": 5}'], "max_new_tokens cannot be honoured"),
+        (["--override-generation-config", '{"seed": 5}'], "seed cannot be honoured"),
+        (["--override-generation-config", '{"max_new_tokens": 0}'], "max_new_tokens must be >= 1, got 0"),
         (["--override-generation-config", '{"temperature": "hot"}'], "temperature must be a number"),
         (["--override-generation-config", '{"top_k": 2.5}'], "top_k must be an integer, got 2.5"),
     ],
@@ -198,6 +202,10 @@ def test_tls_files_are_checked_before_loading_and_reach_uvicorn(tmp_path):
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-cert-reqs", "2"
     )
     check_serve_args(_parse("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs", str(cert)))
+    both = tmp_path / "both.pem"  # one PEM holding the key and the certificate: --ssl-certfile alone
+    both.write_text(key.read_text() + cert.read_text())
+    check_serve_args(_parse("--ssl-certfile", str(both)))
+    assert "--ssl-certfile" in _refused("--ssl-certfile", str(cert))  # no key anywhere
 
 
 def test_max_logprobs_bounds_logprobs_and_prompt_logprobs():
@@ -280,6 +288,7 @@ def test_cluster_refuses_flags_of_an_http_server_it_does_not_run():
 # ---- the server, started with the flags ------------------------------------------------------------------
 
 MARKER = "<<tokenizer from --tokenizer>>"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ORIGIN = "https://app.example"
 
 
@@ -297,7 +306,12 @@ def flagged(smol_dir, cache_dir, tmp_path_factory):
     )
     flags = ["--tokenizer", str(tok), "--load-format", "safetensors", "--enable-chunked-prefill"]
     flags += ["--max-logprobs", "3", "--enable-prompt-tokens-details", "--root-path", "/api"]
-    flags += ["--allowed-origins", json.dumps([ORIGIN]), "--override-generation-config", '{"top_k": 1}']
+    flags += [
+        "--allowed-origins",
+        json.dumps([ORIGIN]),
+        "--override-generation-config",
+        '{"top_k": 1, "max_new_tokens": 5}',
+    ]
     with smol_server(smol_dir, cache_dir, work / "server.log", *flags) as base:
         yield base, tok
 
@@ -321,6 +335,11 @@ def test_server_caps_logprobs_at_max_logprobs(flagged):
     assert "must be between 0 and 3, got 4" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/completions", json={"model": "smol", "prompt": "Hi", "logprobs": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    # vLLM's -1, the whole vocabulary: more than this server allows
+    r = httpx.post(f"{base}/v1/completions", json={"model": "smol", "prompt": "Hi", "logprobs": -1}, timeout=60)
+    assert r.status_code == 400 and "must be between 0 and 3, got 49152" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/chat/completions", json={**chat, "top_logprobs": -1}, timeout=60)
+    assert r.status_code == 400 and "top_logprobs: must be between 0 and 3, got 49152" in r.json()["error"]["message"]
     ok = httpx.post(f"{base}/v1/chat/completions", json={**chat, "top_logprobs": 3}, timeout=60).json()
     assert [len(t["top_logprobs"]) for t in ok["choices"][0]["logprobs"]["content"]] == [3, 3]
 
@@ -342,6 +361,10 @@ def test_server_reports_cached_prompt_tokens(flagged):
 
 def test_server_sampling_defaults_from_override_generation_config(flagged):
     base, _ = flagged
+    for route, body in [("completions", {"prompt": "Once upon a time"}), ("chat/completions", {"messages": QUESTION})]:
+        out = httpx.post(f"{base}/v1/{route}", json={"model": "smol", "ignore_eos": True, **body}, timeout=60).json()
+        assert out["usage"]["completion_tokens"] == 5  # max_new_tokens from the override
+        assert out["choices"][0]["finish_reason"] == "length"
     body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 12}
     greedy = httpx.post(f"{base}/v1/completions", json={**body, "temperature": 0}, timeout=60).json()
     hot = [

@@ -26,6 +26,9 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineCoreRequest:
         """Tokenize and validate; an impossible request raises InvalidRequest naming the parameter."""
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's -1: the whole vocabulary
+            if getattr(params, name) == -1:
+                setattr(params, name, self.vocab_size)
         params.validate(self.vocab_size, self.max_logprobs)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode_off_gil(prompt)

@@ -172,8 +172,12 @@ async def prepare_chat(server: Server, req: ChatCompletionRequest, rid: str | No
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     limit = server.engine.max_logprobs
+    if req.top_logprobs == -1:  # vLLM's: the whole vocabulary (allowed when --max-logprobs allows it)
+        req.top_logprobs = server.engine.vocab_size
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= limit:  # chat's name for it
-        raise APIError(400, f"must be between 0 and {limit}, got {req.top_logprobs}", param="top_logprobs")
+        raise APIError(
+            400, f"top_logprobs: must be between 0 and {limit}, got {req.top_logprobs}", param="top_logprobs"
+        )
     plan = plan_tools(
         req.tools, req.tool_choice, req.parallel_tool_calls, server.tool_parser, server.config.enable_auto_tool_choice
     )

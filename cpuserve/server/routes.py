@@ -44,7 +44,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         server.tokens.shutdown()  # after the last connection closed: no request needs it now
 
     docs = {} if config.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan, root_path=config.root_path, **docs)
+    app = FastAPI(title="cpuserve", version=__version__, lifespan=lifespan, **docs)
+    app.root_path = config.root_path  # as vLLM sets it (the constructor's argument is deprecated)
     app.state.server = server
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     # Starlette puts each add_middleware in front of the ones before it: a request without the key

@@ -120,8 +120,9 @@ def build_server(args: argparse.Namespace, platform_plan, on_fatal: Callable[[Ba
             chat_template=_chat_template(args.chat_template),
             sampling_defaults={
                 **_sampling_defaults(args.generation_config, model_dir),
-                **sampling_overrides,
+                **{k: v for k, v in sampling_overrides.items() if k != "max_new_tokens"},
             },
+            default_max_tokens=sampling_overrides.get("max_new_tokens"),
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
             enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -260,6 +260,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 
 # --override-generation-config keys this engine applies as request defaults (vLLM's names).
+# max_new_tokens: the default max_tokens of chat and completions requests.
 GENERATION_KEYS = (
     "temperature",
     "top_p",
@@ -268,6 +269,7 @@ GENERATION_KEYS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "max_new_tokens",
 )
 
 
@@ -276,10 +278,14 @@ def check_tls(args: argparse.Namespace) -> None:
     does not match the certificate fails here, in one line, not after the model has loaded)."""
     if args.ssl_keyfile is None and args.ssl_certfile is None:
         if args.ssl_ca_certs is not None or args.ssl_cert_reqs != 0:
-            raise CpuserveError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+            raise CpuserveError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
         return
-    if args.ssl_keyfile is None or args.ssl_certfile is None:
-        raise CpuserveError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_certfile is None:
+        raise CpuserveError("--ssl-keyfile needs --ssl-certfile (which may hold the key too)")
+    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+        value = getattr(args, name)
+        if value is not None and not Path(value).is_file():
+            raise CpuserveError(f"--{name.replace('_', '-')} {value}: no such file")
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise CpuserveError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
     if args.ssl_cert_reqs != 0 and args.ssl_ca_certs is None:
@@ -292,7 +298,8 @@ def check_tls(args: argparse.Namespace) -> None:
     try:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     except (OSError, ssl.SSLError) as exc:
-        raise CpuserveError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {exc}") from None
+        key = f" / --ssl-keyfile {args.ssl_keyfile}" if args.ssl_keyfile else ""
+        raise CpuserveError(f"--ssl-certfile {args.ssl_certfile}{key}: {exc}") from None
     if args.ssl_ca_certs is not None:
         try:
             context.load_verify_locations(args.ssl_ca_certs)
@@ -320,9 +327,12 @@ def generation_overrides(text: str | None) -> dict[str, Any]:
     for key, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise CpuserveError(f"--override-generation-config: {key} must be a number, got {v!r}")
-    if "top_k" in value and value["top_k"] != int(value["top_k"]):
-        raise CpuserveError(f"--override-generation-config: top_k must be an integer, got {value['top_k']}")
-    return {k: int(v) if k == "top_k" else v for k, v in value.items()}
+    for key in ("top_k", "max_new_tokens"):
+        if key in value and value[key] != int(value[key]):
+            raise CpuserveError(f"--override-generation-config: {key} must be an integer, got {value[key]}")
+    if value.get("max_new_tokens", 1) < 1:
+        raise CpuserveError(f"--override-generation-config: max_new_tokens must be >= 1, got {value['max_new_tokens']}")
+    return {k: int(v) if k in ("top_k", "max_new_tokens") else v for k, v in value.items()}
 
 
 def checked_generation_overrides(text: str | None) -> dict[str, Any]:
@@ -332,7 +342,7 @@ def checked_generation_overrides(text: str | None) -> dict[str, Any]:
     from cpuserve.engine import InvalidRequest, SamplingParams
 
     try:  # the vocabulary is not known yet: top_k's upper bound is checked per request
-        SamplingParams(**values).validate(2**31 - 1)
+        SamplingParams(**{k: v for k, v in values.items() if k != "max_new_tokens"}).validate(2**31 - 1)
     except InvalidRequest as exc:
         raise CpuserveError(f"--override-generation-config: {exc}") from None
     return values
@@ -357,7 +367,7 @@ def check_model_flags(args: argparse.Namespace, model_dir: Path) -> None:
     if args.quantization is not None and args.quantization != method:
         has = f"is quantized with {method}" if method else "is not quantized"
         hint = "" if method else " (cpuserve quantizes offline: `cpuserve quantize`)"
-        raise CpuserveError(f"--quantization {args.quantization}: {model_dir} {has}{hint}")
+        raise CpuserveError(f"--quantization {args.quantization}: {args.model or model_dir} {has}{hint}")
     is_gguf = method == "gguf"
     if args.load_format != "auto" and (args.load_format == "gguf") != is_gguf:
         raise CpuserveError(

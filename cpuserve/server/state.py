@@ -48,6 +48,7 @@ class ServerConfig:
     # --root-path: the prefix a proxy adds (FastAPI's root_path, as vLLM sets it): routes answer with
     # and without it, and the API's description names it
     root_path: str = ""
+    default_max_tokens: int | None = None  # --override-generation-config's max_new_tokens
     cors: CorsPolicy = field(default_factory=CorsPolicy)
 
 
@@ -90,10 +91,13 @@ class Server:
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         """The request's max_tokens cut to what fits in the context after the prompt, as vLLM does
-        (more than the whole context is a 400); none given: what fits (capped at `default` if given).
+        (more than the whole context is a 400); none given: what fits, capped at `default` if given
+        (--override-generation-config's max_new_tokens when the server has one).
         An over-long prompt is the input processor's to refuse."""
         limit = self.engine.max_model_len
         room = max(1, limit - prompt_len)
+        if self.config.default_max_tokens is not None:
+            default = self.config.default_max_tokens
         if requested is not None:
             if requested > limit:
                 raise InvalidRequest(
