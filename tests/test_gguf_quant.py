@@ -115,7 +115,7 @@ def test_every_variant_runs_every_type(kind, n, k):
     reference_layer, d = _linear(kind, n, k, seed=n + k, kernel=None)
     dequantized = torch.from_numpy(d.dequantized()).double()
     gen = torch.Generator().manual_seed(3)
-    for m in (1, 3, 17, 70):
+    for m in (1, 3, 9, 16, 17, 70):  # 9-16: decode batches in 4-panel runs (panel_runs.h kStreamRows)
         x = torch.randn(m, k, generator=gen) * 2
         x[:, 5] *= 20  # an outlier channel, as real activations have
         ref = reference_layer(x)
@@ -181,7 +181,7 @@ def test_coded_scales_give_what_fp32_scales_give_bit_for_bit(kind):
         if folded:
             twin, _ = _linear(kind, n, k, seed=5, kernel=KernelChoice(kernels, kernel.variant.twin))
         threads = torch.get_num_threads()
-        for m, t in ((1, 1), (1, threads), (5, threads), (200, 1), (200, threads)):
+        for m, t in ((1, 1), (1, threads), (5, threads), (16, threads), (200, 1), (200, threads)):
             x = x_all[:m]
             torch.set_num_threads(t)
             try:

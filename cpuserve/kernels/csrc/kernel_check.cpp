@@ -786,13 +786,13 @@ int main(int argc, char** argv) {
           for (int64_t group : group_sizes) {
             if (k == 4096 && (m % 4 != 1 || n > 7)) continue;  // the big K on a sample of shapes
             check_shape(*v, rng, m, n, k, group);
-            if (m <= 3 || m == 5 || m == 17) {  // decode, blocks, tails
+            if (m <= 3 || m == 5 || m == 9 || m == 16 || m == 17) {  // decode, blocks, 4-panel decode, tails
               check_grouped(*v, rng, m, n, k, group);
               check_fp16_codes(*v, rng, m, n, k, group);
             }
           }
     if (v->int6)
-      for (int64_t m : {1, 2, 3, 5, 17, 40})
+      for (int64_t m : {1, 2, 3, 5, 9, 16, 17, 40})
         for (int64_t n : {16, 48, 80})
           for (int64_t k : {256, 512, 768})
             for (int64_t g : {16, 32}) check_int6(*v, rng, m, n, k, g);

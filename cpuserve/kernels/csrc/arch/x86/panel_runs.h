@@ -62,10 +62,11 @@ constexpr int64_t kPrefetchRows = 16;
 
 // Rows up to which the avx512_vnni kernels take one panel at a time (runs of 1): a thread's weights
 // then stream as one contiguous read. A run of 4 panels reads 4 streams a panel apart, and this
-// host's memory served those at 25-35% less (a read microbenchmark, 2 threads: one stream 42-67
-// GB/s, 4 streams 18 KB apart 32-44, alternated). Decode, 2B Q4_0 / Q4_K_M / W4A8-G128 / W8A8 at M =
-// 1: +22% / +29% / +21% / +13% when the memory was slow, +1.5% when fast; M = 2 +25%, 8 +2%, 16 -6%
-// (the 4-panel blocks' shared broadcasts win there). avx512_vnni, Zen 5 host; docs/benchmarks.md.
+// host's memory served those about 26% slower (a read microbenchmark, 2 threads, alternated: medians
+// 58.1 / 47.3 GB/s for one stream, 42.6 / 34.9 for 4 streams 18 KB apart). Decode, 2B Q4_0 / Q4_K_M
+// / W4A8-G128 / W8A8 at M = 1: +22% / +29% / +21% / +13% when the memory was slow, +1.5% when fast;
+// M = 2 +25%, 8 +2%, 16 -6% (rows 9-15 not measured; at 16 the 4-panel blocks, which share each
+// activation broadcast between 4 panels, were faster). avx512_vnni, Zen 5 host; docs/benchmarks.md.
 constexpr int64_t kStreamRows = 8;
 
 // One block of R rows and the run's np panels (np <= P): block.template go<R, np>(r). Generic and
