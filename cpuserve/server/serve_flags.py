@@ -40,8 +40,8 @@ NO_EFFECT = {
     "download_dir": "nothing is ever downloaded",
 }
 
-# vLLM's --load-format values and what each asks of a checkpoint here.
-LOAD_FORMATS = {"auto": None, "safetensors": "a safetensors directory", "gguf": "a GGUF file"}
+# vLLM's --load-format values cpuserve reads (check_model_flags holds them to the checkpoint found).
+LOAD_FORMATS = frozenset({"auto", "safetensors", "gguf"})
 
 
 def _json_list(text: str) -> list[str]:
