@@ -74,3 +74,29 @@ def test_gguf_file_bars_are_judged_from_the_medians():
     assert row == (
         "| 2B Q4_0 | 1.10x (at most 1.15x: met) | 0.80x (at least 1.0x: **not met**) | 2.00x (at least 1.5x: met) |"
     )
+
+
+def test_the_avx2_case_has_its_own_section_and_plot(tmp_path):
+    from cpuserve.bench.suite import AVX2_BEGIN, AVX2_END
+
+    (tmp_path / "benchmarks.md").write_text("# Benchmarks\n")
+    write_docs(_result(), "benchmarks/run", docs=tmp_path, isa="cpuserve kernels avx512_vnni")
+    write_docs(_result(), "benchmarks/run --as-avx2", docs=tmp_path, as_avx2=True, isa="cpuserve kernels avx2")
+    write_docs(_result(), "benchmarks/run --as-avx2 --repeats 5", docs=tmp_path, as_avx2=True, isa="avx2 again")
+    text = (tmp_path / "benchmarks.md").read_text()
+    native = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    avx2 = text.split(AVX2_BEGIN, 1)[1].split(AVX2_END, 1)[0]
+    assert text.count(AVX2_BEGIN) == 1 and text.count(BEGIN) == 1
+    assert "host: cpuserve kernels avx512_vnni" in native and "(speed.svg)" in native and "--as-avx2" not in native
+    assert "host: avx2 again" in avx2 and "--repeats 5" in avx2 and "(speed-avx2.svg)" in avx2
+    assert (tmp_path / "speed-avx2.svg").read_text().startswith("<svg")
+
+
+def test_gguf_files_avx2_case_keeps_the_host_section():
+    from cpuserve.bench.gguf_files import BEGIN as G_BEGIN
+    from cpuserve.bench.gguf_files import docs_section, markers
+
+    native, avx2 = docs_section("report A", "benchmarks/run"), docs_section("report B", "x", as_avx2=True)
+    assert native.startswith(G_BEGIN) and markers(False)[0] == G_BEGIN
+    assert avx2.startswith(markers(True)[0]) and avx2.endswith(markers(True)[1]) and markers(True)[0] != G_BEGIN
+    assert "the AVX2 case on this host" in avx2 and "AVX2" not in native
