@@ -149,6 +149,15 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   end_block_halves<R, P, A>(run, src, sums, sa, out, n);
 }
 
+// Decode (one row) reads a thread's panels one at a time, as one contiguous stream (avx512_vnni's
+// kStreamRows, panel_runs.h), when the groups are per channel or of 128 inputs or more; with
+// smaller groups, two panels side by side. One panel against two, in one process alternated (the
+// AVX2 case, Zen 5 host, medians of 7-11): 2B W4A8-G128 +8.7%, W8A8 +7.3% (its int8 head too), 2B
+// Q4_0 GGUF (groups of 32) +0.6%, the bundled Q4_1 GGUF (groups of 32, offsets) -7%: each group's
+// epilogue, the same work a panel whatever the run, weighs more there than the stream gains.
+constexpr int64_t kStreamGroup = 128;
+inline bool one_stream(const LinearArgs& a) { return a.groups == 1 || a.k / a.groups >= kStreamGroup; }
+
 struct S8Panels {
   PanelRun run;
   const LinearArgs& a;
@@ -183,10 +192,9 @@ struct U4Panels {
 __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int64_t p0, int64_t p1) {
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
   auto make = [&](int64_t p, int64_t np) { return S8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; };
-  if (a.m == 1)
-    // decode: two panels' streams interleaved. One contiguous stream (avx512_vnni's kStreamRows,
-    // panel_runs.h) measured +2-9% on the 2B shape's decode but -7% on the bundled model's, where
-    // the broadcasts two panels share count more (the AVX2 case, Zen 5 host).
+  if (a.m == 1 && one_stream(a))
+    for_each_run<1, 1>(a.m, p0, p1, make);
+  else if (a.m == 1)
     for_each_run<1, 2>(a.m, p0, p1, make);
   else
     for_each_run<2, 1>(a.m, p0, p1, make);
@@ -204,7 +212,9 @@ __attribute__((target(CPK_AVX2_TARGET))) void w4a8_avx2(const LinearArgs& a, int
     return;
   }
   auto make = [&](int64_t p, int64_t np) { return U4Panels{panel_run(pw, per_column, a.n, p, np, a.m <= kPrefetchRows), a}; };
-  if (a.m == 1)
+  if (a.m == 1 && one_stream(a))
+    for_each_run<1, 1>(a.m, p0, p1, make);
+  else if (a.m == 1)
     for_each_run<1, 2>(a.m, p0, p1, make);
   else
     for_each_run<2, 1>(a.m, p0, p1, make);
