@@ -196,6 +196,12 @@ __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int
     for_each_run<1, 1>(a.m, p0, p1, make);
   else if (a.m == 1)
     for_each_run<1, 2>(a.m, p0, p1, make);
+  else if (a.groups == 1)
+    // Blocks of 3 rows per channel (each weight vector's |w| shared by one more row): +5-7% at M =
+    // 512 and 16 on the 2B shape's linears, +1-4% at 8, against 2 rows; 4 rows measured as 2 (the
+    // 16 ymm registers spill). In groups, 3 rows measured -1% to +3%: they keep 2 (the AVX2 case,
+    // Zen 5 host, alternated in one process; docs/benchmarks.md).
+    for_each_run<3, 1>(a.m, p0, p1, make);
   else
     for_each_run<2, 1>(a.m, p0, p1, make);
 }
