@@ -3,8 +3,11 @@ replaces the generated section of docs/benchmarks.md instead of appending anothe
 
 from __future__ import annotations
 
+import pytest
+
+from cpuserve.bench import gguf_files, suite
 from cpuserve.bench.speed import PairResult, SpeedResult, render_speed
-from cpuserve.bench.suite import BEGIN, END, plot_svg, write_docs
+from cpuserve.bench.suite import AVX2_BEGIN, AVX2_END, BEGIN, END, plot_svg, write_docs
 
 
 def _result() -> SpeedResult:
@@ -77,8 +80,6 @@ def test_gguf_file_bars_are_judged_from_the_medians():
 
 
 def test_the_avx2_case_has_its_own_section_and_plot(tmp_path):
-    from cpuserve.bench.suite import AVX2_BEGIN, AVX2_END
-
     (tmp_path / "benchmarks.md").write_text("# Benchmarks\n")
     write_docs(_result(), "benchmarks/run", docs=tmp_path, isa="cpuserve kernels avx512_vnni")
     write_docs(_result(), "benchmarks/run --as-avx2", docs=tmp_path, as_avx2=True, isa="cpuserve kernels avx2")
@@ -93,10 +94,55 @@ def test_the_avx2_case_has_its_own_section_and_plot(tmp_path):
 
 
 def test_gguf_files_avx2_case_keeps_the_host_section():
-    from cpuserve.bench.gguf_files import BEGIN as G_BEGIN
-    from cpuserve.bench.gguf_files import docs_section, markers
-
-    native, avx2 = docs_section("report A", "benchmarks/run"), docs_section("report B", "x", as_avx2=True)
-    assert native.startswith(G_BEGIN) and markers(False)[0] == G_BEGIN
-    assert avx2.startswith(markers(True)[0]) and avx2.endswith(markers(True)[1]) and markers(True)[0] != G_BEGIN
+    native = gguf_files.docs_section("report A", "benchmarks/run")
+    avx2 = gguf_files.docs_section("report B", "x", as_avx2=True)
+    assert native.startswith(gguf_files.BEGIN) and native.endswith(gguf_files.END)
+    assert avx2.startswith(gguf_files.AVX2_BEGIN) and avx2.endswith(gguf_files.AVX2_END)
     assert "the AVX2 case on this host" in avx2 and "AVX2" not in native
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """suite.main with every measurement replaced by a record of what it was asked to run."""
+    seen: list[tuple] = []
+
+    def record(*entry):
+        seen.append(entry)
+        return ""
+
+    monkeypatch.setattr(suite, "run_speed", lambda args, families, only: record("speed", args.as_avx2))
+    monkeypatch.setattr(suite, "run_gguf_files", lambda args, only: record("gguf", args.as_avx2))
+    monkeypatch.setattr(suite, "run_serving", lambda work, fams, srv, threads, avx2: record("serving", avx2))
+    monkeypatch.setattr(suite, "efficiency_tables", lambda fams, threads, variant=None: [record("peak", variant)])
+    monkeypatch.setattr(suite, "write_serving_docs", lambda report, command, avx2, threads: record("docs", command))
+    return seen
+
+
+BASE = ["--work", "/nonexistent", "--llamacpp-python", "python3"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--as-avx2", "--only", "2b"], [("speed", True)]),  # no llama-server: no serving
+        (["--as-avx2", "--only", "gguf"], [("gguf", True)]),
+        (
+            ["--as-avx2", "--only", "smol", "--serving-only", "--llama-server", "srv"],
+            [("serving", True), ("peak", "avx2"), ("docs", "benchmarks/run --as-avx2 --serving-only --only smol")],
+        ),
+        (
+            ["--only", "2b", "--llama-server", "srv"],
+            [("speed", False), ("serving", False), ("docs", "benchmarks/run --only 2b")],
+        ),
+        (["--only", "2b", "--llama-server", "srv", "--no-serving"], [("speed", False)]),
+    ],
+)
+def test_the_suite_runs_what_its_flags_ask(calls, argv, expected):
+    assert suite.main([*BASE, *argv]) == 0
+    assert calls == expected
+
+
+def test_serving_only_needs_a_server(calls):
+    with pytest.raises(SystemExit):
+        suite.main([*BASE, "--serving-only", "--only", "smol"])
+    assert calls == []

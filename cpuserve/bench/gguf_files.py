@@ -18,6 +18,7 @@ from cpuserve.bench.gguf_types import f16_file, quantize_with_llamacpp, tensor_t
 from cpuserve.bench.speed import SpeedResult, measure_speed, render_speed
 
 BEGIN, END = "<!-- bench-gguf-files:begin -->", "<!-- bench-gguf-files:end -->"
+AVX2_BEGIN, AVX2_END = "<!-- bench-gguf-files-avx2:begin -->", "<!-- bench-gguf-files-avx2:end -->"
 PROMPT = 512
 # (bar, ratio key, lowest cpuserve / llama.cpp that meets it, highest): issue 18's "must show".
 BARS = [("peak RSS", "peak_rss_mb", 0.0, 1.15), ("decode", "tg", 1.0, None), (f"pp{PROMPT}", f"pp{PROMPT}", 1.5, None)]
@@ -57,7 +58,12 @@ def file_bytes_per_token(path: Path) -> int:
 
 
 def measure_files(
-    files: dict[str, Path], llamacpp_python: str, threads: int, repeats: int, decode: int, env: dict[str, str]
+    files: dict[str, Path],
+    llamacpp_python: str,
+    threads: int,
+    repeats: int,
+    decode: int,
+    env: dict[str, str] | None = None,
 ) -> SpeedResult:
     """Each file against itself; env: extra variables for cpuserve (the AVX2 case's)."""
     pairs, sizes = [], {}
@@ -99,9 +105,7 @@ def render_report(result: SpeedResult, files: dict[str, Path], isa: str) -> str:
 
 def markers(as_avx2: bool) -> tuple[str, str]:
     """The generated section's bounds: this host's, or the AVX2 case's."""
-    if not as_avx2:
-        return BEGIN, END
-    return "<!-- bench-gguf-files-avx2:begin -->", "<!-- bench-gguf-files-avx2:end -->"
+    return (AVX2_BEGIN, AVX2_END) if as_avx2 else (BEGIN, END)
 
 
 def docs_section(report: str, command: str, as_avx2: bool = False) -> str:

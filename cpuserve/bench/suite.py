@@ -145,6 +145,16 @@ def efficiency_tables(families: list[str], threads: int, variant: str | None = N
 AS_AVX2 = {"CPUSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command a docs section names (the AVX2 case's says so)."""
+    return "benchmarks/run --as-avx2" if args.as_avx2 else "benchmarks/run"
+
+
+def _variant(args: argparse.Namespace) -> str | None:
+    """The kernel variant the linears-against-peak tables measure: the AVX2 case's, else cpuserve's choice."""
+    return AS_AVX2["CPUSERVE_ISA"] if args.as_avx2 else None
+
+
 def _replace_section(begin: str, end: str, section: str, docs: Path) -> None:
     path = docs / "benchmarks.md"
     text = path.read_text()
@@ -192,7 +202,7 @@ def case_isa(as_avx2: bool, peer: str) -> str:
 
 def write_serving_docs(report: str, command: str, as_avx2: bool, threads: int, docs: Path = DOCS) -> None:
     tag = "bench-serving-avx2" if as_avx2 else "bench-serving"
-    title = "AVX2 case on this host" if as_avx2 else "this host"
+    title = "the AVX2 case on this host" if as_avx2 else "this host"
     section = "\n".join(
         [
             f"<!-- {tag}:begin -->",
@@ -271,17 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         run_gguf_files(args, only)
     if serving and families:
         report = run_serving(args.work, families, args.llama_server, args.threads, args.as_avx2)
-        if args.as_avx2 and args.serving_only:  # the linears' table of this case (run_speed's otherwise)
-            report = "\n\n".join([report, *efficiency_tables(families, args.threads, AS_AVX2["CPUSERVE_ISA"])])
+        if args.as_avx2 and args.serving_only:  # the AVX2 case's linears table (run_speed's when it runs)
+            report = "\n\n".join([report, *efficiency_tables(families, args.threads, _variant(args))])
         print(report)
         if not args.no_docs:
             flag = " --serving-only" if args.serving_only else ""
             write_serving_docs(report, f"{_command(args)}{flag}{only}", args.as_avx2, args.threads)
     return 0
-
-
-def _command(args: argparse.Namespace) -> str:
-    return "benchmarks/run --as-avx2" if args.as_avx2 else "benchmarks/run"
 
 
 def run_gguf_files(args: argparse.Namespace, only: str) -> None:
@@ -323,7 +329,7 @@ def run_speed(args: argparse.Namespace, families: list[str], only: str) -> None:
     print(f"host: {isa}\n\n{render_speed(result)}")
     name = "speed-avx2" if args.as_avx2 else "speed"
     (args.work / f"{name}.json").write_text(json.dumps(asdict(result), indent=1))
-    efficiency = efficiency_tables(families, args.threads, AS_AVX2["CPUSERVE_ISA"] if args.as_avx2 else None)
+    efficiency = efficiency_tables(families, args.threads, _variant(args))
     print("\n\n".join(efficiency))
     if not args.no_docs:
         command = f"{_command(args)} --repeats {args.repeats} --decode {args.decode} --long {args.long}{only}"

@@ -155,8 +155,20 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
 // AVX2 case, Zen 5 host, medians of 7-11): 2B W4A8-G128 +8.7%, W8A8 +7.3% (its int8 head too), 2B
 // Q4_0 GGUF (groups of 32) +0.6%, the bundled Q4_1 GGUF (groups of 32, offsets) -7%: each group's
 // epilogue, the same work a panel whatever the run, weighs more there than the stream gains.
+// Groups of 64 (W4A8-G64) were not measured and keep two panels (docs/benchmarks.md, session 40).
 constexpr int64_t kStreamGroup = 128;
 inline bool one_stream(const LinearArgs& a) { return a.groups == 1 || a.k / a.groups >= kStreamGroup; }
+
+// W8A8 per channel (groups == 1) only: what the 3-row blocks run, without instancing grouped blocks
+// no call reaches.
+struct S8ChannelPanels {
+  PanelRun run;
+  const LinearArgs& a;
+  template <int R, int P>
+  __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
+    s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
+  }
+};
 
 struct S8Panels {
   PanelRun run;
@@ -164,7 +176,7 @@ struct S8Panels {
   template <int R, int P>
   __attribute__((target(CPK_AVX2_TARGET))) void go(int64_t r) const {
     if (a.groups == 1)
-      s8_panel_block<R, P>(run, a.qa + r * a.k, a.k, a.sw + run.c0, a.sa + r, a.out + r * a.n + run.c0, a.n);
+      S8ChannelPanels{run, a}.template go<R, P>(r);
     else
       with_acts(a, run, P, r, [&](const auto& src, const float* sa, auto acts) {
         s8_group_block<R, P, decltype(acts)::value>(run, a.qa + r * a.k, a.sums + r * a.groups, a.k, a.groups, src, sa, a.out + r * a.n + run.c0, a.n);
@@ -200,8 +212,8 @@ __attribute__((target(CPK_AVX2_TARGET))) void w8a8_avx2(const LinearArgs& a, int
     // Blocks of 3 rows per channel (each weight vector's |w| shared by one more row): +5-7% at M =
     // 512 and 16 on the 2B shape's linears, +1-4% at 8, against 2 rows; 4 rows measured as 2 (the
     // 16 ymm registers spill). In groups, 3 rows measured -1% to +3%: they keep 2 (the AVX2 case,
-    // Zen 5 host, alternated in one process; docs/benchmarks.md).
-    for_each_run<3, 1>(a.m, p0, p1, make);
+    // Zen 5 host, alternated in one process; docs/benchmarks.md, session 40).
+    for_each_run<3, 1>(a.m, p0, p1, [&](int64_t p, int64_t np) { return S8ChannelPanels{make(p, np).run, a}; });
   else
     for_each_run<2, 1>(a.m, p0, p1, make);
 }
