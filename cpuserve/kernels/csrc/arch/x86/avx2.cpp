@@ -155,7 +155,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
 // AVX2 case, Zen 5 host, medians of 7-11): 2B W4A8-G128 +8.7%, W8A8 +7.3% (its int8 head too), 2B
 // Q4_0 GGUF (groups of 32) +0.6%, the bundled Q4_1 GGUF (groups of 32, offsets) -7%: each group's
 // epilogue, the same work a panel whatever the run, weighs more there than the stream gains.
-// Groups of 64 (W4A8-G64) were not measured and keep two panels (docs/benchmarks.md, session 40).
+// Groups of 64 keep two panels too: SmolLM2 W4A8-G64 -4.4% with one (docs/benchmarks.md, session 40).
 constexpr int64_t kStreamGroup = 128;
 inline bool one_stream(const LinearArgs& a) { return a.groups == 1 || a.k / a.groups >= kStreamGroup; }
 
