@@ -14,6 +14,9 @@
 #include "ops.h"
 #include "panel_layout.h"
 #include "row_layout.h"
+#if defined(__x86_64__)
+#include "arch/x86/kernels.h"
+#endif
 
 cpk::Parallel torch_parallel() {
   return {at::get_num_threads(), [](int64_t begin, int64_t end, int64_t grain, cpk::RangeBody body) {
@@ -387,6 +390,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("dot_peak", &dot_peak, py::call_guard<py::gil_scoped_release>(),
           "rounds of the variant's int8 dot-peak loop on every thread: the multiply-adds done", py::arg("variant"),
           py::arg("rounds"));
+#if defined(__x86_64__)
+  mod.def("amx_usable", &cpk::amx_usable, "the CPU has AMX-INT8 and the OS grants its tiles to this process");
+  mod.def("set_amx", &cpk::set_amx, "AMX tiles on or off for avx512_vnni's batched linears: the previous setting",
+          py::arg("on"));
+  mod.def("amx_rows", [] { return cpk::kAmxRows; }, "rows from which avx512_vnni's linears may run on AMX tiles");
+  mod.def("amx_tile_calls", &cpk::amx_tile_calls, "linear kernel calls (a thread's panels) that ran on AMX tiles");
+#else
+  mod.def("amx_usable", [] { return false; }, "the CPU has AMX-INT8 and the OS grants its tiles (never on Arm)");
+  mod.def("set_amx", [](bool) { return false; }, "AMX tiles on or off (none on Arm)", py::arg("on"));
+  mod.def("amx_rows", [] { return int64_t(0); }, "rows from which linears may run on AMX tiles (none on Arm)");
+  mod.def("amx_tile_calls", [] { return uint64_t(0); }, "linear kernel calls that ran on AMX tiles (none on Arm)");
+#endif
   mod.def("dispatch_counts", &dispatch_counts, "calls per variant and op since the last reset");
   mod.def("reset_dispatch_counts", &cpk::reset_dispatch_counts, "zero the dispatch counters");
 }

@@ -419,6 +419,7 @@ __attribute__((target(CPK_VNNI_TARGET))) PanelRun widen_int6_run(const PanelRun&
 
 // W8A8 panels [p0, p1) (offset panels) for all M rows.
 __attribute__((target(CPK_VNNI_TARGET))) void w8a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
+  if ((p0 = w8a8_amx(a, p0, p1)) == p1) return;  // AMX tiles where they take it (amx.cpp)
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
   auto make = [&](int64_t p, int64_t np) { return U8Panels{panel_run(pw, quad_k(a.k), a.n, p, np, a.m <= kPrefetchRows), a}; };
   if (a.m <= kStreamRows)
@@ -429,6 +430,7 @@ __attribute__((target(CPK_VNNI_TARGET))) void w8a8_avx512_vnni(const LinearArgs&
 
 // W4A8 panels [p0, p1) with scales in panel order, for all M rows.
 __attribute__((target(CPK_VNNI_TARGET))) void w4a8_avx512_vnni(const LinearArgs& a, int64_t p0, int64_t p1) {
+  if ((p0 = w4a8_amx(a, p0, p1)) == p1) return;  // AMX tiles where they take it (amx.cpp)
   const uint8_t* pw = static_cast<const uint8_t*>(a.w);
   const int64_t per_column = a.high_bits != 0 ? int6_bytes_per_column(a.k) : a.k / 2;
   if (a.high_bits != 0 && a.m > kPrefetchRows) {  // prefill: each run widened once (widen_int6_run)

@@ -32,6 +32,17 @@ void prefill_attention_avx512_vnni(const PrefillArgs& a, const Parallel& par);
 // float_avx512.cpp: the float panel kernel on zmm.
 void float_linear_avx512(const FloatArgs& a, int64_t p0, int64_t p1);
 
+// amx.cpp: avx512_vnni's linears on AMX tiles for kAmxRows rows and more, where the CPU and the OS
+// allow them (amx_usable) and set_amx has not turned them off. Each takes a thread's panels [p0, p1)
+// and returns the first it did not do (p0 when the tiles do not take the linear; the rest is VNNI's).
+constexpr int64_t kAmxRows = 16;
+bool amx_usable();
+bool amx_enabled();
+bool set_amx(bool on);  // returns the previous setting
+uint64_t amx_tile_calls();  // kernel calls (a thread's panels) that ran on the tiles
+int64_t w8a8_amx(const LinearArgs& a, int64_t p0, int64_t p1);
+int64_t w4a8_amx(const LinearArgs& a, int64_t p0, int64_t p1);
+
 // dot_peak_x86.cpp: each variant's dot-peak loop (dot_peak.h) and its multiply-adds per round.
 int64_t dot_peak_avx2(int64_t rounds);
 int64_t dot_peak_avx_vnni(int64_t rounds);
