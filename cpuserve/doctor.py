@@ -68,6 +68,10 @@ def build_report(
             report["decisions"][name] = step().__dict__
         except CpuserveError as exc:
             problems.append(str(exc))
+    if report["decisions"].get("kernel", {}).get("variant") == "avx512_vnni":
+        from cpuserve.kernels import amx_note
+
+        report["decisions"]["kernel"] = {**report["decisions"]["kernel"], "amx": amx_note()}
     if model_dir is None:
         return report
     try:
@@ -120,6 +124,8 @@ def render_text(report: dict[str, Any]) -> str:
     if "kernel" in d:
         k = d["kernel"]
         lines.append(f"  kernels      {k['variant']} ({k['reason']}; supported: {', '.join(k['supported'])})")
+        if "amx" in k:
+            lines.append(f"  amx          {k['amx']}")
     if "model" in report:
         f = report["model"]
         lines.append(f"model          {f['path']}")

@@ -127,3 +127,11 @@ def test_the_tiles_leave_what_they_do_not_take_to_vnni(tiles, bits, group, m, k)
 
     got, vnni, used = _both(tiles, run)
     assert used == 0 and torch.equal(got, vnni) and torch.equal(got, run(v.twin))
+
+
+def test_the_start_up_note_says_whether_the_tiles_run(tiles, monkeypatch):
+    from cpuserve.kernels import amx_note
+
+    assert amx_note().startswith(f"AMX tiles for avx512_vnni's linears of {tiles.amx_rows()}+ rows")
+    monkeypatch.setenv("CPUSERVE_AMX", "0")
+    assert amx_note() == "AMX tiles off (CPUSERVE_AMX=0): batched linears on VNNI"

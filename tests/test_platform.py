@@ -167,6 +167,16 @@ def test_avx_vnni_without_avx512_and_with_it():
     assert plan_kernel(both, read_overrides({})).variant == "avx512_vnni"
 
 
+def test_cpuserve_amx_is_an_on_off_switch_and_anything_else_stops_the_start():
+    assert read_overrides({}).amx is None
+    assert read_overrides({"CPUSERVE_AMX": "0"}).amx is False
+    assert read_overrides({"CPUSERVE_AMX": "off"}).amx is False
+    on = read_overrides({"CPUSERVE_AMX": "1"})
+    assert on.amx is True and on.sources["amx"] == "CPUSERVE_AMX=1"
+    with pytest.raises(ConfigError, match=r"CPUSERVE_AMX='maybe': expected 1 or 0 \(on or off\)"):
+        read_overrides({"CPUSERVE_AMX": "maybe"})
+
+
 def test_good_thread_overrides():
     assert threads("cix_p1", {"VLLM_CPU_OMP_THREADS_BIND": "0,1,6,7"}).cpus == (0, 1, 6, 7)
     assert threads("cix_p1", {"VLLM_CPU_OMP_THREADS_BIND": "0-11", "OMP_NUM_THREADS": "3"}).cpus == (0, 1, 2)

@@ -48,4 +48,8 @@ def platform_plan(args: argparse.Namespace):
         threads.reason,
         kernel.variant,
     )
+    if kernel.variant == "avx512_vnni":
+        from cpuserve.kernels import amx_note
+
+        log.info("%s", amx_note())
     return machine, overrides, threads

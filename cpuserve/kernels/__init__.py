@@ -51,7 +51,25 @@ def native() -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(path.stem, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    from cpuserve.platform.overrides import read_overrides
+
+    if read_overrides(os.environ).amx is False:
+        module.set_amx(False)
     return module
+
+
+def amx_note() -> str:
+    """What the AMX tiles do here, for the start-up log and doctor: avx512_vnni's linears of
+    amx_rows() rows and more (W8A8 per channel, groups of 64+ inputs) run on them where the CPU
+    has AMX-INT8 and the OS grants the tile state; CPUSERVE_AMX=0 keeps them on VNNI."""
+    from cpuserve.platform.overrides import read_overrides
+
+    module = native()
+    if module is None or not module.amx_usable():
+        return "no AMX tiles (not on this CPU, or not granted by the OS)"
+    if read_overrides(os.environ).amx is False:
+        return "AMX tiles off (CPUSERVE_AMX=0): batched linears on VNNI"
+    return f"AMX tiles for avx512_vnni's linears of {module.amx_rows()}+ rows (W8A8, groups of 64+)"
 
 
 def selected_variant_name() -> str:

@@ -20,6 +20,8 @@ NUM_THREADS = ("CPUSERVE_NUM_THREADS", "OMP_NUM_THREADS")
 ISA = ("CPUSERVE_ISA",)  # a kernel variant the CPU supports, or reference
 REPLACED = {"CPUSERVE_KERNEL_VARIANT": "CPUSERVE_ISA"}  # old name -> the one that replaced it
 QUANTIZE_LM_HEAD = ("CPUSERVE_QUANTIZE_LM_HEAD",)
+AMX = ("CPUSERVE_AMX",)  # 0 / off: avx512_vnni's batched linears stay on VNNI where AMX tiles are granted
+SWITCH = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
 LM_HEAD_KINDS = ("int8", "int4")
 NOT_NEEDED = {
     "FLAGGEMS_VENDOR": "CPU features are detected",
@@ -39,6 +41,7 @@ class Overrides:
     num_threads: int | None = None
     kernel_variant: str | None = None  # CPUSERVE_ISA
     quantize_lm_head: str | None = None  # CPUSERVE_QUANTIZE_LM_HEAD: "int8" | "int4" | "none"; None: not set
+    amx: bool | None = None  # CPUSERVE_AMX; None: not set (the tiles run where granted)
     sources: dict[str, str] = field(default_factory=dict)  # setting -> "NAME=value" it came from
     not_needed: dict[str, str] = field(default_factory=dict)  # NAME=value -> why
 
@@ -102,6 +105,12 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
             raise ConfigError(f"{picked[0]}={picked[1]!r}: expected one of {', '.join(LM_HEAD_KINDS)} or none")
         lm_head = picked[1]
         sources["lm_head"] = f"{picked[0]}={lm_head}"
+    amx = None
+    if picked := _pick(env, AMX):
+        if picked[1].lower() not in SWITCH:
+            raise ConfigError(f"{picked[0]}={picked[1]!r}: expected 1 or 0 (on or off)")
+        amx = SWITCH[picked[1].lower()]
+        sources["amx"] = f"{picked[0]}={picked[1]}"
     not_needed = {f"{k}={env[k]}": why for k, why in NOT_NEEDED.items() if k in env}
     return Overrides(
         kvcache_bytes=kv_bytes,
@@ -110,6 +119,7 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
         num_threads=num_threads,
         kernel_variant=variant,
         quantize_lm_head=lm_head,
+        amx=amx,
         sources=sources,
         not_needed=not_needed,
     )
