@@ -21,9 +21,11 @@ def tiles():
     module = native()
     if module is None or "avx512_vnni" not in runnable_variants() or not module.amx_usable():
         pytest.skip("no AMX tiles here (needs AVX-512 VNNI, AMX-INT8 and the OS's grant)")
-    before = module.set_amx(True)
+    before, threads = module.set_amx(True), torch.get_num_threads()
+    torch.set_num_threads(2)  # the shapes' panel shares below are 2 threads'
     yield module
     module.set_amx(before)
+    torch.set_num_threads(threads)
 
 
 def _weights(bits: int, group: int | None, n: int, k: int, seed: int):
@@ -47,8 +49,8 @@ def _both(km, run):
 
 
 # (N, K): 96 = 6 panels (3 a thread: a single last panel), 130 = 8 full panels and a narrow one,
-# 2048 x 128 K-chunks of the 2B shape's width
-SHAPES = [(96, 576), (130, 1024), (64, 2048)]
+# 2048 the 2B shape's width, 1536 in 24 groups of 64 (a batch of 16 groups, then 8 carried on)
+SHAPES = [(96, 576), (130, 1024), (64, 2048), (32, 1536)]
 ROWS = [16, 17, 31, 32, 33, 64, 100]
 
 
@@ -79,8 +81,8 @@ def test_w4a8_on_tiles_equals_vnni_and_the_twin(tiles, n, k, group, act_groups):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("group", [None, 64])
-def test_w8a8_on_tiles_equals_vnni_and_the_twin(tiles, n, k, group):
+@pytest.mark.parametrize("group,act_groups", [(None, False), (64, False), (64, True)])
+def test_w8a8_on_tiles_equals_vnni_and_the_twin(tiles, n, k, group, act_groups):
     v = tiles.variant("avx512_vnni")
     q, s = _weights(8, group, n, k, n * k)
     q[0, :4] = torch.tensor([-128, 127, -127, 0], dtype=torch.int8)  # the offset layout's extremes
@@ -91,12 +93,14 @@ def test_w8a8_on_tiles_equals_vnni_and_the_twin(tiles, n, k, group):
         x = torch.randn(m, k, generator=gen) * 2
 
         def run(variant=v, x=x):
-            return tiles.w8a8_linear(x, weight, scales, None, variant)
+            return tiles.w8a8_linear(x, weight, scales, None, variant, act_groups=act_groups)
 
         got, vnni, used = _both(tiles, run)
         assert used > 0, (m, n, k, group)
         assert torch.equal(got, vnni), (m, n, k, group)
         assert torch.equal(got, run(v.twin)), (m, n, k, group)
+        if act_groups:
+            continue
         ref = reference_forward(x, q, s, None)
         assert (got - ref).abs().max().item() <= REL_BUDGET * ref.abs().max().item() + 1e-6
 
@@ -105,6 +109,7 @@ def test_w8a8_on_tiles_equals_vnni_and_the_twin(tiles, n, k, group):
     "bits,group,m,k",
     [
         (4, 32, 64, 1024),  # groups of 32 (Q4_0): VNNI folds them cheaper
+        (4, 96, 64, 1536),  # groups that are not whole 64-input chunks
         (8, None, 15, 1024),  # fewer rows than a tile
         (8, None, 64, 96),  # K not whole 64-input chunks
     ],
@@ -129,9 +134,14 @@ def test_the_tiles_leave_what_they_do_not_take_to_vnni(tiles, bits, group, m, k)
     assert used == 0 and torch.equal(got, vnni) and torch.equal(got, run(v.twin))
 
 
-def test_the_start_up_note_says_whether_the_tiles_run(tiles, monkeypatch):
+def test_the_start_up_note_says_whether_the_tiles_run(tiles):
     from cpuserve.kernels import amx_note
 
+    assert tiles.amx_enabled() and tiles.amx_switched_on()
     assert amx_note().startswith(f"AMX tiles for avx512_vnni's linears of {tiles.amx_rows()}+ rows")
-    monkeypatch.setenv("CPUSERVE_AMX", "0")
-    assert amx_note() == "AMX tiles off (CPUSERVE_AMX=0): batched linears on VNNI"
+    tiles.set_amx(False)  # what CPUSERVE_AMX=0 does where the kernels load
+    try:
+        assert not tiles.amx_enabled() and tiles.amx_usable()
+        assert amx_note() == "AMX tiles off (CPUSERVE_AMX=0): batched linears on VNNI"
+    finally:
+        tiles.set_amx(True)

@@ -38,7 +38,17 @@ def test_kernels_built_for_another_torch_are_said_so_and_rebuilt_only_with_a_com
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="cpuserve.kernels"):
         kernels.native.__wrapped__()  # our fake build makes nothing: the reference path, after trying
-    assert built == [1] and "building them now" in caplog.text
+    assert built == [1] and "not torch" in caplog.text and "building them for this torch now" in caplog.text
+    import torch  # kernels of this torch and machine but other sources: said so, not blamed on torch
+
+    monkeypatch.setattr(
+        kbuild, "other_builds", lambda: [(other, {"torch": torch.__version__, "machine": os.uname().machine})]
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cpuserve.kernels"):
+        kernels.native.__wrapped__()
+    assert "built for other kernel sources: building them for these now" in caplog.text
+    assert "not torch" not in caplog.text
 
 
 @pytest.fixture(scope="module")

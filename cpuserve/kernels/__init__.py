@@ -6,7 +6,7 @@ CPUSERVE_ISA, validated there (platform/overrides.py, platform/plan.py). Its nam
 row of the kernels' variant table (`native().variant(name)`, a `Variant` that equals its name), and
 that row is what the quantized linears (KernelChoice), NativeLinear, the float ops and decode
 attention pass to every native call: nothing below looks a variant up by name, or reads the
-environment."""
+environment but CPUSERVE_AMX, applied once where the kernels load."""
 
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ def native() -> ModuleType | None:
         import torch
 
         was = f"torch {meta.get('torch', '?')} on {meta.get('machine', '?')}"
+        if meta.get("torch") == torch.__version__ and meta.get("machine") == os.uname().machine:
+            was, now = "other kernel sources", "these"  # the same torch: the sources changed
+        else:
+            was, now = f"{was}, not torch {torch.__version__}", "this torch"
         if compiler() is None:
-            log.warning(
-                "native kernels were built for %s, not torch %s; no C++ compiler here: pure-torch reference path",
-                was,
-                torch.__version__,
-            )
+            log.warning("native kernels were built for %s; no C++ compiler here: pure-torch reference path", was)
             return None
-        log.warning("native kernels were built for %s, not torch %s: building them now", was, torch.__version__)
+        log.warning("native kernels were built for %s: building them for %s now", was, now)
         path = build()
     if path is None:
         log.warning("native kernels are not built (run ./run setup); using the pure-torch reference path")
@@ -51,25 +51,28 @@ def native() -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(path.stem, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
-    from cpuserve.platform.overrides import read_overrides
+    from cpuserve.platform.overrides import amx_override
 
-    if read_overrides(os.environ).amx is False:
+    if amx_override(os.environ) is False:
         module.set_amx(False)
+    else:  # probe now, from the loading thread, before the weights make the probe's fork dearer
+        module.amx_usable()
     return module
 
 
 def amx_note() -> str:
-    """What the AMX tiles do here, for the start-up log and doctor: avx512_vnni's linears of
-    amx_rows() rows and more (W8A8 per channel, groups of 64+ inputs) run on them where the CPU
-    has AMX-INT8 and the OS grants the tile state; CPUSERVE_AMX=0 keeps them on VNNI."""
-    from cpuserve.platform.overrides import read_overrides
-
+    """What the AMX tiles do in this process, for the start-up log and doctor: avx512_vnni's
+    linears of amx_rows() rows and more (W8A8, and groups in whole 64-input chunks) run on them
+    where the CPU has AMX-INT8, the OS grants the tile state and CPUSERVE_AMX is not 0."""
     module = native()
-    if module is None or not module.amx_usable():
-        return "no AMX tiles (not on this CPU, or not granted by the OS)"
-    if read_overrides(os.environ).amx is False:
+    if module is None:
+        return "no AMX tiles (the native kernels are not built)"
+    if module.amx_enabled():
+        rows = module.amx_rows()
+        return f"AMX tiles for avx512_vnni's linears of {rows}+ rows (W8A8, groups in whole 64-input chunks)"
+    if not module.amx_switched_on():
         return "AMX tiles off (CPUSERVE_AMX=0): batched linears on VNNI"
-    return f"AMX tiles for avx512_vnni's linears of {module.amx_rows()}+ rows (W8A8, groups of 64+)"
+    return "no AMX tiles (not on this CPU, or not granted by the OS)"
 
 
 def selected_variant_name() -> str:

@@ -21,7 +21,7 @@ ISA = ("CPUSERVE_ISA",)  # a kernel variant the CPU supports, or reference
 REPLACED = {"CPUSERVE_KERNEL_VARIANT": "CPUSERVE_ISA"}  # old name -> the one that replaced it
 QUANTIZE_LM_HEAD = ("CPUSERVE_QUANTIZE_LM_HEAD",)
 AMX = ("CPUSERVE_AMX",)  # 0 / off: avx512_vnni's batched linears stay on VNNI where AMX tiles are granted
-SWITCH = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
+ON_OFF = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
 LM_HEAD_KINDS = ("int8", "int4")
 NOT_NEEDED = {
     "FLAGGEMS_VENDOR": "CPU features are detected",
@@ -52,6 +52,17 @@ def _pick(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | N
         if value is not None and value.strip() != "":
             return name, value.strip()
     return None
+
+
+def amx_override(env: Mapping[str, str]) -> bool | None:
+    """CPUSERVE_AMX alone (the kernels read it where they load, without the other overrides): on,
+    off, or None when unset; any other value is a ConfigError."""
+    picked = _pick(env, AMX)
+    if picked is None:
+        return None
+    if picked[1].lower() not in ON_OFF:
+        raise ConfigError(f"{picked[0]}={picked[1]!r}: expected 1 or 0 (on or off)")
+    return ON_OFF[picked[1].lower()]
 
 
 def read_overrides(env: Mapping[str, str]) -> Overrides:
@@ -105,12 +116,9 @@ def read_overrides(env: Mapping[str, str]) -> Overrides:
             raise ConfigError(f"{picked[0]}={picked[1]!r}: expected one of {', '.join(LM_HEAD_KINDS)} or none")
         lm_head = picked[1]
         sources["lm_head"] = f"{picked[0]}={lm_head}"
-    amx = None
-    if picked := _pick(env, AMX):
-        if picked[1].lower() not in SWITCH:
-            raise ConfigError(f"{picked[0]}={picked[1]!r}: expected 1 or 0 (on or off)")
-        amx = SWITCH[picked[1].lower()]
-        sources["amx"] = f"{picked[0]}={picked[1]}"
+    amx = amx_override(env)
+    if amx is not None:
+        sources["amx"] = "{}={}".format(*_pick(env, AMX))
     not_needed = {f"{k}={env[k]}": why for k, why in NOT_NEEDED.items() if k in env}
     return Overrides(
         kvcache_bytes=kv_bytes,

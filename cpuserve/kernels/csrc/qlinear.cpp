@@ -395,11 +395,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_amx", &cpk::set_amx, "AMX tiles on or off for avx512_vnni's batched linears: the previous setting",
           py::arg("on"));
   mod.def("amx_rows", [] { return cpk::kAmxRows; }, "rows from which avx512_vnni's linears may run on AMX tiles");
+  mod.def("amx_enabled", &cpk::amx_enabled, "AMX tiles granted here and not switched off (set_amx)");
+  mod.def("amx_switched_on", &cpk::amx_switched_on, "the set_amx switch, read without probing the CPU");
   mod.def("amx_tile_calls", &cpk::amx_tile_calls, "linear kernel calls (a thread's panels) that ran on AMX tiles");
 #else
   mod.def("amx_usable", [] { return false; }, "the CPU has AMX-INT8 and the OS grants its tiles (never on Arm)");
   mod.def("set_amx", [](bool) { return false; }, "AMX tiles on or off (none on Arm)", py::arg("on"));
   mod.def("amx_rows", [] { return int64_t(0); }, "rows from which linears may run on AMX tiles (none on Arm)");
+  mod.def("amx_enabled", [] { return false; }, "AMX tiles granted here and not switched off (never on Arm)");
+  mod.def("amx_switched_on", [] { return false; }, "the set_amx switch (none on Arm)");
   mod.def("amx_tile_calls", [] { return uint64_t(0); }, "linear kernel calls that ran on AMX tiles (none on Arm)");
 #endif
   mod.def("dispatch_counts", &dispatch_counts, "calls per variant and op since the last reset");

@@ -10,12 +10,13 @@
 // tile sums are the twin's integers with its offset correction already in them, and fold a batch
 // of groups at a time with the float sums in registers. The integer sums are exact and the float
 // operations the panel twin's, in its order: bit-identical to the twin, as the VNNI blocks are.
-// Cases the tiles do not take (few rows, a narrow last panel, groups of 32, the integer fold, scales
-// read in place, int6) stay on VNNI.
+// Cases the tiles do not take (fewer than kAmxRows rows, a narrow last panel, K or a group not whole
+// 64-input chunks, e.g. groups of 32; the integer fold, scales read in place, int6) stay on VNNI.
 #if defined(__x86_64__)
 
 #include <cpuid.h>
 #include <immintrin.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,6 +37,7 @@ namespace {
 
 constexpr int64_t kBlockRows = 32;  // two activation tiles of 16 rows
 constexpr int64_t kChunk = 64;      // inputs a tile multiply takes
+constexpr int64_t kBatch = 16;      // groups whose int32 sums are stored before they are folded
 
 // The tile configuration (palette 1): tiles 0-3 the int32 sums (16 rows x 16 columns), 4-5 the
 // activations (16 rows x kChunk inputs), 6-7 the weights (kChunk / 4 quads x 64 bytes).
@@ -86,6 +88,8 @@ bool detect_amx() {
   const pid_t pid = fork();
   if (pid < 0) return false;
   if (pid == 0) {
+    const rlimit none{0, 0};
+    setrlimit(RLIMIT_CORE, &none);  // a faulting probe leaves no core file
     tile_probe();
     _exit(0);
   }
@@ -97,8 +101,6 @@ bool detect_amx() {
 
 std::atomic<bool> amx_on{true};
 std::atomic<uint64_t> tile_calls{0};  // kernel calls that ran panels on the tiles (tests read it)
-
-constexpr int64_t kBatch = 16;  // groups whose int32 sums are stored before they are folded
 
 // One thread's scratch: activation rows of a last, short block (zero-padded to 32), a pair of panels
 // as signed bytes (grouped linears), a batch of groups' stored sums, the float sums between batches.
@@ -254,7 +256,7 @@ __attribute__((target(CPK_AMX_TARGET))) void group_block(const LinearArgs& a, co
 // stay on VNNI: folding every 32 inputs' sums cost the tiles their gain (2B shape, M = 512: int4
 // 0.99x, int8 1.12x against VNNI; groups of 128: 1.96x).
 bool tiles_take(const LinearArgs& a) {
-  if (!amx_usable() || !amx_on.load(std::memory_order_relaxed)) return false;
+  if (!amx_on.load(std::memory_order_relaxed) || !amx_usable()) return false;  // off: never even probed
   if (a.m < kAmxRows || a.direct != nullptr || a.sa_per != 0 || a.high_bits != 0) return false;
   return a.k % a.groups == 0 && (a.k / a.groups) % kChunk == 0;
 }
@@ -313,9 +315,11 @@ bool amx_usable() {
   return usable;
 }
 
-bool amx_enabled() { return amx_usable() && amx_on.load(std::memory_order_relaxed); }
+bool amx_enabled() { return amx_on.load(std::memory_order_relaxed) && amx_usable(); }
 
 bool set_amx(bool on) { return amx_on.exchange(on, std::memory_order_relaxed); }
+
+bool amx_switched_on() { return amx_on.load(std::memory_order_relaxed); }
 
 uint64_t amx_tile_calls() { return tile_calls.load(std::memory_order_relaxed); }
 

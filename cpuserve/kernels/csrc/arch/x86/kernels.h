@@ -37,7 +37,8 @@ void float_linear_avx512(const FloatArgs& a, int64_t p0, int64_t p1);
 // and returns the first it did not do (p0 when the tiles do not take the linear; the rest is VNNI's).
 constexpr int64_t kAmxRows = 16;
 bool amx_usable();
-bool amx_enabled();
+bool amx_enabled();  // usable and switched on
+bool amx_switched_on();  // the switch alone (no probe)
 bool set_amx(bool on);  // returns the previous setting
 uint64_t amx_tile_calls();  // kernel calls (a thread's panels) that ran on the tiles
 int64_t w8a8_amx(const LinearArgs& a, int64_t p0, int64_t p1);
