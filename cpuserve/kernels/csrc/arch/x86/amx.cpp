@@ -2,7 +2,7 @@
 // state (amx_usable). The offset panels are already what a tile multiply reads: a full panel's 16
 // quads of inputs are 16 rows of 64 bytes (16 columns x 4 inputs), the B operand of TDPBSUD (signed
 // activation bytes x unsigned weight bytes), and activation rows are its A operand as they are. One
-// tile multiply does 16 x 16 x 64 multiply-adds, 16 times a zmm VNNI instruction's work.
+// tile multiply does 16 x 16 x 64 multiply-adds, the work of 256 zmm VNNI instructions.
 //
 // Blocks of 32 rows x 2 panels: four int32 accumulator tiles, two activation tiles, two weight
 // tiles (the 8 tiles). W8A8 per channel reads its panels as stored. Grouped linears (every W4A8, W8A8
@@ -56,6 +56,14 @@ struct alignas(64) TileConfig {
   __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(base), "r"(int64_t(stride)) : "memory")
 #define CPK_TILE_STORE(tile, base, stride) \
   __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"(base), "r"(int64_t(stride)) : "memory")
+// Tile dst += a x b: signed weights (TDPBSSD) or offset bytes (TDPBSUD); tile numbers are literals.
+#define CPK_TILE_DOT(Signed, dst, a, b) \
+  do {                                  \
+    if constexpr (Signed)               \
+      _tile_dpbssd(dst, a, b);          \
+    else                                \
+      _tile_dpbsud(dst, a, b);          \
+  } while (0)
 
 TileConfig tile_config() {
   TileConfig c;
@@ -142,22 +150,12 @@ __attribute__((target(CPK_AMX_TARGET), always_inline)) inline void block_sums(co
     CPK_TILE_LOAD(4, act + x, k);
     CPK_TILE_LOAD(5, act + 16 * k + x, k);
     CPK_TILE_LOAD(6, w[0] + x * kPanel, 64);
-    if constexpr (Signed) {
-      _tile_dpbssd(0, 4, 6);
-      _tile_dpbssd(2, 5, 6);
-    } else {
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbsud(2, 5, 6);
-    }
+    CPK_TILE_DOT(Signed, 0, 4, 6);
+    CPK_TILE_DOT(Signed, 2, 5, 6);
     if constexpr (NP == 2) {
       CPK_TILE_LOAD(7, w[1] + x * kPanel, 64);
-      if constexpr (Signed) {
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(3, 5, 7);
-      } else {
-        _tile_dpbsud(1, 4, 7);
-        _tile_dpbsud(3, 5, 7);
-      }
+      CPK_TILE_DOT(Signed, 1, 4, 7);
+      CPK_TILE_DOT(Signed, 3, 5, 7);
     }
   }
 }
@@ -253,8 +251,9 @@ __attribute__((target(CPK_AMX_TARGET))) void group_block(const LinearArgs& a, co
 
 // Whether the tiles take this linear: enough rows, K and the groups whole chunks of 64 inputs, scales
 // and activations as the batched blocks read them. Groups of 32 (GGUF's Q4_0, Q8_0, the K-quants)
-// stay on VNNI: folding every 32 inputs' sums cost the tiles their gain (2B shape, M = 512: int4
-// 0.99x, int8 1.12x against VNNI; groups of 128: 1.96x).
+// stay on VNNI: folding every 32 inputs' sums cost the tiles their gain (a build that took them, not
+// kept; Intel Xeon AVX-512 VNNI + AMX, 2B shape, M = 512, alternated in one process: int4 0.99x,
+// int8 1.12x against VNNI; groups of 128 1.96x; docs/benchmarks.md, session 41).
 bool tiles_take(const LinearArgs& a) {
   if (!amx_on.load(std::memory_order_relaxed) || !amx_usable()) return false;  // off: never even probed
   if (a.m < kAmxRows || a.direct != nullptr || a.sa_per != 0 || a.high_bits != 0) return false;
