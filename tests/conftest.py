@@ -104,8 +104,37 @@ _SLOW_MODULES = {
 }
 
 
+# `./run test` runs the whole suite in two lanes (pytest-xdist, `-n 2 --dist loadgroup`): these
+# modules in one worker, every other in the other. They mostly keep one core busy while waiting on
+# something else (image builds under qemu, vLLM and Ray starting up, the Gemma reference loading in
+# transformers): in a fresh clone on a 2-vCPU host the serial suite kept 1.3 of its 2 cores busy.
+# A module stays in one lane, so its fixtures are made once per run; the two modules on the Gemma
+# reference (a session fixture) share this lane, and so do the in-tree `pip wheel .` builds (the
+# images' and test_wheel's), which must not run at once.
+_SIDE_LANE = {"test_container", "test_vllm_plugin", "test_cluster", "test_gemma3", "test_gguf_serve", "test_wheel"}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """With `--dist loadgroup`, the groups are the two lanes. (xdist's own groups come from marks it
+    writes into node ids, which pytest 9 no longer reads back: its loadgroup runs as plain load.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+            return "side" if module in _SIDE_LANE else "main"
+
+    return LaneScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in _SLOW_MODULES:
+        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or _module(item) in _SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+def _module(item: pytest.Item) -> str:
+    module = getattr(item, "module", None)
+    return module.__name__.rsplit(".", 1)[-1] if module else ""

@@ -11,6 +11,7 @@ Python headers are this interpreter's (CPython 3.11's ABI is the same on both 64
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import shutil
@@ -73,6 +74,17 @@ def cross_build(torch_wheel: Path, jobs: int = 2) -> Path:
         raise RuntimeError(f"no cross compiler for {target['machine']} ({COMPILERS.get(target['machine'])})")
     name = library_name(target)
     out = BUILD_DIR / name
+    out.mkdir(parents=True, exist_ok=True)
+    # Two builds of one library at once (the test suite's two lanes, two image builds) compile it
+    # once: the second waits here and finds it done.
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cross_build_locked(torch_wheel, target, compiler, jobs)
+
+
+def _cross_build_locked(torch_wheel: Path, target: dict[str, str], compiler: str, jobs: int) -> Path:
+    name = library_name(target)
+    out = BUILD_DIR / name
     library = out / f"{name}.so"
     if library.is_file() and (out / BUILT_FOR).is_file():  # renamed into place only when complete
         return library
@@ -101,7 +113,6 @@ def cross_build(torch_wheel: Path, jobs: int = 2) -> Path:
 
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(compile_one, zip(sources, objects, strict=True)))
-        out.mkdir(parents=True, exist_ok=True)
         link = [compiler, *map(str, objects), "-shared", "-fopenmp", f"-L{torch_dir / 'lib'}"]
         partial = out / f".{library.name}.partial"
         link += [f"-l{lib}" for lib in TORCH_LIBS] + ["-o", str(partial)]
