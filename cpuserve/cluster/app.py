@@ -231,6 +231,14 @@ def _proxy_answers(host: str, port: int, wait: float = PROXY_WAIT_S) -> bool:
         time.sleep(1.0)
 
 
+# Ray Serve gives its HTTP proxy 3 checks of 5 s to start, then kills it and `serve.start` fails. On
+# a 2-core machine that is busy (the test suite's other lane, a replica loading) its Python worker
+# took longer: a Ray we start ourselves gets 30 s a check (serve.start itself waits 60 s at most).
+# The controller reads it where Ray starts (`ray start`'s environment, for a cluster we join).
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_S = "30"
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """Deploy on the Ray cluster and serve until SIGTERM/SIGINT; then delete the app (replicas drain)."""
     import ray
@@ -245,6 +253,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         except ConnectionError:
             log.info("no Ray cluster on this machine: starting a one-machine Ray")
             os.environ.setdefault("RAY_worker_niceness", "0")  # engines at normal priority (replica.py)
+            os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
             ray.init(logging_level=logging.WARNING)
             started_here = True
     else:
