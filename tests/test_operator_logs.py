@@ -33,10 +33,11 @@ FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 
 # (delay before this output, tokens so far, text so far, finish reason). The first token's text is
 # held back (as half a UTF-8 character would be) until the second: TTFT is the first token's time.
+# The text comes 1.3 s after it: a busy machine (the suite's other lane) may delay the first token.
 SCRIPT = [
     (0.0, 0, "", None),
     (0.2, 1, "", None),
-    (0.6, 2, SECRET_OUTPUT, None),
+    (1.3, 2, SECRET_OUTPUT, None),
     (0.0, 3, SECRET_OUTPUT + "!", "length"),
 ]
 
@@ -134,7 +135,7 @@ def test_a_json_request_gets_one_line_with_its_numbers_and_none_of_its_text(capl
     assert int(f["prompt_tokens"]) == r.json()["usage"]["prompt_tokens"] and f["output_tokens"] == "3"
     assert f["finish"] == "length" and f["id"] == r.json()["id"] and f["client"].startswith("127.0.0.1:")
     ttft, duration = float(f["ttft"][:-1]), float(f["duration"][:-1])
-    assert 0.2 <= ttft < 0.7 <= duration  # the first token's time, not its text's (0.8 s)
+    assert 0.2 <= ttft < 1.4 <= duration  # the first token's time, not its text's (1.5 s)
     assert KEY not in caplog.text and SECRET_PROMPT not in caplog.text and SECRET_OUTPUT not in caplog.text
 
 
@@ -146,8 +147,8 @@ def test_a_stream_is_logged_when_it_ends_with_the_first_tokens_time(caplog):
     f = _fields(line)
     assert _head(line)[2] == 200 and f["stream"] == "finished"
     assert f["output_tokens"] == "6" and f["prompt_tokens"] == str(len("<user>Hi<assistant>"))
-    # The role chunk went out at once and the first text at 0.8 s; the first token came at 0.2 s.
-    assert 0.2 <= float(f["ttft"][:-1]) < 0.7 <= float(f["duration"][:-1])
+    # The role chunk went out at once and the first text at 1.5 s; the first token came at 0.2 s.
+    assert 0.2 <= float(f["ttft"][:-1]) < 1.4 <= float(f["duration"][:-1])
 
 
 def test_a_stream_the_engine_fails_says_so(caplog):

@@ -78,7 +78,11 @@ def cross_build(torch_wheel: Path, jobs: int = 2) -> Path:
     # Two builds of one library at once (the test suite's two lanes, two image builds) compile it
     # once: the second waits here and finds it done.
     with open(out / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[cross] waiting for another build of {name} to finish", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         return _cross_build_locked(torch_wheel, target, compiler, jobs)
 
 
