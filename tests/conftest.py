@@ -132,18 +132,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class LaneScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-            return "side" if module in _SIDE_LANE else "main"
+            return "side" if _module(nodeid) in _SIDE_LANE else "main"
 
     return LaneScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or _module(item) in _SLOW_MODULES:
+        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or _module(item.nodeid) in _SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
 
 
-def _module(item: pytest.Item) -> str:
-    module = getattr(item, "module", None)
-    return module.__name__.rsplit(".", 1)[-1] if module else ""
+def _module(nodeid: str) -> str:
+    """The test module's name in a node id ("tests/test_x.py::test_y" -> "test_x")."""
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")

@@ -28,7 +28,6 @@ pytest.importorskip("ray.serve")
 
 from cpuserve.bench.cluster_bench import cluster_process
 from cpuserve.bench.server_process import free_port
-from cpuserve.cluster.app import PROXY_READY_ENV, PROXY_READY_S
 
 pytestmark = pytest.mark.slow
 KEY = "sk-cluster-test"
@@ -53,7 +52,6 @@ def ray_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         "CPUSERVE_CACHE_DIR": str(tmp / "cache"),
         "CPUSERVE_CLUSTER_CLAIMS": str(tmp / "claims.json"),
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        PROXY_READY_ENV: PROXY_READY_S,  # as `cpuserve cluster` sets it for a Ray it starts itself
     }
     common = ["--num-cpus", "1", "--object-store-memory", str(200 * 1024**2), "--disable-usage-stats"]
     head = [RAY, "start", "--head", "--port", str(port), "--include-dashboard=false", *common]

@@ -233,8 +233,8 @@ def _proxy_answers(host: str, port: int, wait: float = PROXY_WAIT_S) -> bool:
 
 # Ray Serve gives its HTTP proxy 3 checks of 5 s to start, then kills it and `serve.start` fails. On
 # a 2-core machine that is busy (the test suite's other lane, a replica loading) its Python worker
-# took longer: a Ray we start ourselves gets 30 s a check (serve.start itself waits 60 s at most).
-# The controller reads it where Ray starts (`ray start`'s environment, for a cluster we join).
+# took longer. The Serve controller reads this variable: it is started with 30 s a check (or the
+# value in cpuserve's environment), on a Ray we start and on one we join (serve.start waits 60 s).
 PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 PROXY_READY_S = "30"
 
@@ -253,7 +253,6 @@ def run_cluster(args: argparse.Namespace) -> int:
         except ConnectionError:
             log.info("no Ray cluster on this machine: starting a one-machine Ray")
             os.environ.setdefault("RAY_worker_niceness", "0")  # engines at normal priority (replica.py)
-            os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
             ray.init(logging_level=logging.WARNING)
             started_here = True
     else:
@@ -269,7 +268,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         args.replicas,
         args.threads_per_replica,
     )
-    serve.start(http_options={"host": args.host, "port": args.port})
+    proxy_ready = {PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, PROXY_READY_S)}
+    serve.start(
+        http_options={"host": args.host, "port": args.port},
+        controller_options={"runtime_env": {"env_vars": proxy_ready}},
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
