@@ -2,8 +2,9 @@
 // vpmaddubsw multiplies |w| (unsigned, <= 128) by a with w's sign (vpsignb), so a pair sums to at
 // most 2 * 128 * 127 < 2^15: no saturation; vpmaddwd by ones widens to int32. W4A8 reads the VNNI
 // panels' bytes as they are (offset nibbles <= 15: pairs <= 3810, the two nibble halves' sum
-// <= 7620; int6 values <= 63: pairs <= 16002, the sum <= 32004). Exact integers and the panel twin's epilogues: bit-identical to it. Also the AVX2
-// activation quantizer (decode attention: attention_avx2.cpp).
+// <= 7620, four steps' sums <= 30480, added in int16 before one vpmaddwd; int6 values <= 63: pairs
+// <= 16002, the sum <= 32004, widened every step). Exact integers and the panel twin's epilogues:
+// bit-identical to it. Also the AVX2 activation quantizer (decode attention: attention_avx2.cpp).
 #if defined(__x86_64__)
 #include <vector>
 
@@ -107,6 +108,9 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
                                                                     int64_t n) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t steps = k / groups / 8;
+  // Offset nibbles' int16 pair sums add up over kChunk steps before one vpmaddwd widens them: 4 x
+  // 7620 < 2^15 (a group is a multiple of 32 inputs: 4 steps). Int6 values fill int16 in one step.
+  constexpr int64_t kChunk = HB == 0 ? 4 : 1;
   // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
   // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
   HalfSums<R, P, A> sums;
@@ -119,30 +123,43 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
     for (int r = 0; r < R; ++r)
       #pragma GCC unroll 4
       for (int i = 0; i < P; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_set1_epi32(acc_start<A>(src, 8 << HB) * gs[r * groups + g]);
-    for (int64_t j = g * steps; j < (g + 1) * steps; ++j) {
-      __m256i alo[R], ahi[R];
+    for (int64_t j0 = g * steps; j0 < (g + 1) * steps; j0 += kChunk) {
+      __m256i part[R][P][2];
       #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        alo[r] = broadcast4_ymm(qa + r * k + 8 * j);
-        ahi[r] = broadcast4_ymm(qa + r * k + 8 * j + 4);
-      }
+      for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int i = 0; i < P; ++i) part[r][i][0] = part[r][i][1] = _mm256_setzero_si256();
       #pragma GCC unroll 4
-      for (int i = 0; i < P; ++i) {
-        __m256i bits = _mm256_setzero_si256();
-        if constexpr (HB != 0) bits = plane_step(run, i, k, j);
-        #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = ws.half(i, h);
-          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);  // values <= 63: pairs <= 32004
-          #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]), _mm256_maddubs_epi16(hi, ahi[r]));
-            acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(pairs, ones));
-          }
+      for (int64_t j = j0; j < j0 + kChunk; ++j) {
+        __m256i alo[R], ahi[R];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          alo[r] = broadcast4_ymm(qa + r * k + 8 * j);
+          ahi[r] = broadcast4_ymm(qa + r * k + 8 * j + 4);
         }
-        ws.advance(i);
+        #pragma GCC unroll 4
+        for (int i = 0; i < P; ++i) {
+          __m256i bits = _mm256_setzero_si256();
+          if constexpr (HB != 0) bits = plane_step(run, i, k, j);
+          #pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = ws.half(i, h);
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);  // values <= 63: pairs <= 32004
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; ++r)
+              part[r][i][h] = _mm256_add_epi16(
+                  part[r][i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]), _mm256_maddubs_epi16(hi, ahi[r])));
+          }
+          ws.advance(i);
+        }
       }
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int i = 0; i < P; ++i)
+          #pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) acc[r][i][h] = _mm256_add_epi32(acc[r][i][h], _mm256_madd_epi16(part[r][i][h], ones));
     }
     end_group_halves<R, P, A>(run, acc, src, gs, groups, g, at, sa, sums);
   }
