@@ -150,7 +150,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from cpuserve.bench.serving_bench import WORKLOADS
 
     bsv = bench_sub.add_parser(
-        "serving", help="cpuserve's server against llama-server: 1/4/16 streams, output tok/s and TTFT"
+        "serving", help="cpuserve's server against llama-server: 1/4/8/16 streams, output tok/s and TTFT"
     )
     bsv.add_argument("model", nargs="?", default=None, help="what cpuserve serves (default: the bundled model)")
     bsv.add_argument("--gguf", default=None, help="the GGUF llama-server serves (default: the model, if a GGUF)")

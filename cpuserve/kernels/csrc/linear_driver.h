@@ -72,7 +72,9 @@ struct GroupScales {
 // per channel; else groups of K / groups inputs, a multiple of 4). out [M, N] fp32.
 void w8a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
                  int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);
-// W4A8: w in the variant's int4 layout, scales [N, groups] in the layout's order. out [M, N] fp32.
+// W4A8: w in the variant's int4 layout, scales [N, groups] in the layout's order, groups of a
+// multiple of 32 inputs (the avx2 block sums four 8-input steps in int16; the torch binding checks
+// it). out [M, N] fp32.
 // offsets (both): fp32 groups x N in column chunks (variant.h), or null.
 void w4a8_linear(const Variant& v, const Parallel& par, const LinearInput& in, const void* w, const float* scales,
                  int64_t groups, int64_t n, float* out, const float* offsets = nullptr, bool act_groups = false);

@@ -111,8 +111,9 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
   // Offset nibbles' int16 pair sums add up over kChunk steps before one vpmaddwd widens them: 4 x
   // 7620 < 2^15 (a group is a multiple of 32 inputs: 4 steps). Int6 values fill int16 in one step.
   constexpr int64_t kChunk = HB == 0 ? 4 : 1;
-  // The float sums live in memory (touched once per group): the 16 ymm registers hold the integer
-  // accumulators and the inner loop's operands (spilled accumulators cost 3-5x in a first version).
+  // The float sums live in memory (touched once per group): the 16 ymm registers hold the int16
+  // partial sums and the inner loop's operands (spilled accumulators cost 3-5x in a first version);
+  // the int32 sums, touched once per chunk, may live in memory too.
   HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
   HalfStreams<P> ws(run);

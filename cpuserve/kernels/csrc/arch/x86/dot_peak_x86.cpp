@@ -1,7 +1,9 @@
 // The x86 dot-peak loops (dot_peak.h): each the fastest int8 step its variant's kernels use, in
 // independent chains. avx2 has no int8 dot instruction: its W4A8 step, two vpmaddubsw summed in 16
 // bits (vpaddw), then vpmaddwd by ones and vpaddd (64 multiply-adds per ymm step; W8A8's step adds a
-// vpsignb and sums 32), in 8 chains (only the 1-cycle add is loop-carried; 8 accumulators, the
+// vpsignb and sums 32), in 8 chains. Since session 43 the avx2 4-bit block widens with vpmaddwd once
+// every four such steps (docs/benchmarks.md), so its percentages of this loop can exceed 100; the
+// loop stays as it was, so the figures stay comparable across sessions (only the 1-cycle add is loop-carried; 8 accumulators, the
 // operands and two temporaries fit the 16 ymm registers). The VNNI variants: one vpdpbusd (32 per
 // ymm, 64 per zmm) in 12 chains, enough to cover its latency at its throughput. Each step is one
 // volatile asm statement on a local accumulator: exactly the named instructions, none merged or
