@@ -118,9 +118,11 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void store_half(const PanelRun& 
     _mm256_maskstore_ps(out, lanes_below(run.width[i] - 8 * h), v);
 }
 
-// The 8 scales of half h of panel i at s (masked past the panel's width).
+// The 8 scales of half h of panel i at s (masked past the panel's width; a full panel's read plain:
+// the mask and vmaskmovps ran once per group and half in the grouped blocks).
 __attribute__((target(CPK_AVX2_TARGET))) inline __m256 load_scales_half(const PanelRun& run, int i, int h,
                                                                          const float* s) {
+  if (run.width[i] == kPanel) return _mm256_loadu_ps(s);
   return _mm256_maskload_ps(s, lanes_below(run.width[i] - 8 * h));
 }
 
