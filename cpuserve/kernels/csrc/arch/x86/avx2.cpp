@@ -106,7 +106,7 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
                                                                     const int32_t* gs, int64_t k, int64_t groups,
                                                                     const Groups& src, const float* sa, float* out,
                                                                     int64_t n) {
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t steps = k / groups / 8;
   // Offset nibbles' int16 pair sums add up over kChunk steps before one vpmaddwd widens them: 4 x
   // 7620 < 2^15 (a group is a multiple of 32 inputs: 4 steps). Int6 values fill int16 in one step.
@@ -145,8 +145,8 @@ __attribute__((target(CPK_AVX2_TARGET))) inline void u4_panel_block(const PanelR
           #pragma GCC unroll 2
           for (int h = 0; h < 2; ++h) {
             const __m256i v = ws.half(i, h);
-            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);  // values <= 63: pairs <= 32004
+            __m256i lo, hi;
+            nibble_halves<HB>(v, bits, h, lo, hi);  // int6 values <= 63: pairs <= 32004
             #pragma GCC unroll 4
             for (int r = 0; r < R; ++r)
               part[r][i][h] = _mm256_add_epi16(

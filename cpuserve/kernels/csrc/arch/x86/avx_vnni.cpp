@@ -86,7 +86,6 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
                                                                         const int32_t* gs, int64_t k, int64_t groups,
                                                                         const Groups& src, const float* sa, float* out,
                                                                         int64_t n) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t steps = k / groups / 8;
   HalfSums<R, P, A> sums;
   FoldAt at(A == kFold ? fold_per(src) : 1);
@@ -106,8 +105,8 @@ __attribute__((target(CPK_AVX_VNNI_TARGET))) inline void u4_panel_block(const Pa
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load_half(run, i, h, j);
           if (h == 0) prefetch_ahead(run, i, j);
-          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);
+          __m256i lo, hi;
+          nibble_halves<HB>(v, bits, h, lo, hi);
           #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             acc[r][i][h] = _mm256_dpbusd_avx_epi32(acc[r][i][h], lo, broadcast4_ymm(qa + r * k + 8 * j));

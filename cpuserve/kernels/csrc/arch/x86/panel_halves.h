@@ -73,13 +73,24 @@ __attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void join_plane_h
   hi = _mm256_or_si256(hi, _mm256_and_si256(u, two));
 }
 
+// A step's weight bytes v (half h) as two vectors of values: lo the low nibbles, hi the high ones,
+// each joined with its two bits of the int6 plane step `bits` when HB != 0 (values <= 63).
+template <int HB>
+__attribute__((target(CPK_AVX2_TARGET), always_inline)) inline void nibble_halves(__m256i v, __m256i bits, int h,
+                                                                                  __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if constexpr (HB != 0) join_plane_half(bits, h, lo, hi);
+}
+
 // Int6 panels in prefill (as avx512_vnni's widen_int6_run): the run's np panels widened once into
 // dst as int8 panels, each byte the stored w + 32 plus `lift` (-32: SignedPanels' w; 96: OffsetPanels'
 // w + 128), for the W8A8 blocks (S8Panels, U8Panels); returns the run over dst.
 __attribute__((target(CPK_AVX2_TARGET))) inline PanelRun widen_int6_run_halves(const PanelRun& run, int64_t np,
                                                                                 int64_t k, uint8_t* dst,
                                                                                 int8_t lift) {
-  const __m256i low = _mm256_set1_epi8(0x0F), add = _mm256_set1_epi8(lift);
+  const __m256i add = _mm256_set1_epi8(lift);
   PanelRun wide = run;
   wide.ahead = 0;
   for (int64_t i = 0; i < np; ++i) {
@@ -88,8 +99,8 @@ __attribute__((target(CPK_AVX2_TARGET))) inline PanelRun widen_int6_run_halves(c
       const __m256i bits = plane_step(wide, int(i), k, j);
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run.base[i] + j * 4 * kPanel + 32 * h));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        join_plane_half(bits, h, lo, hi);
+        __m256i lo, hi;
+        nibble_halves<2>(v, bits, h, lo, hi);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 8 * kPanel + 32 * h), _mm256_add_epi8(lo, add));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 8 * kPanel + 4 * kPanel + 32 * h),
                             _mm256_add_epi8(hi, add));
